@@ -1,0 +1,85 @@
+"""The CDI spec: generate with nvidia-ctk, validate, install atomically."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from . import log
+from .config import Machine
+from .ldconf import write_atomically
+from .log import die
+from .run import find_program, run
+from .spec import KIND, spec_problems
+
+# Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
+# content we do not own. The flags exist from nvidia-ctk 1.18.
+HOOK_FLAGS = ["--disable-hook", "all", "--enable-hook", "create-symlinks",
+              "--enable-hook", "update-ldcache"]
+HOOKS_SINCE = (1, 18)
+_VERSION = re.compile(r"version\s+v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def ctk_version(exe: str, timeout: float) -> tuple[int, int, int]:
+    result = run([exe, "--version"], timeout=timeout)
+    m = _VERSION.search(result.stdout)
+    if not result.ok or not m:
+        die(f"cannot tell the version of {exe} ({result.why() if not result.ok else 'no version'})",
+            hint="install a working NVIDIA Container Toolkit")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def generate_argv(machine: Machine, exe: str, version: tuple[int, int, int],
+                  output: Path) -> list[str]:
+    argv = [exe, "cdi", "generate", f"--driver-root={machine.driver_root}",
+            f"--dev-root={machine.root}", "--format=yaml", f"--output={output}"]
+    if version >= HOOKS_SINCE:
+        argv += HOOK_FLAGS
+    return argv + list(machine.config.nvidia_ctk_args)
+
+
+def generate(machine: Machine, driver_version: str, helpers: tuple[str, ...]) -> bytes:
+    """A validated spec for the live driver root. Generated outside /etc/cdi: nvidia-ctk
+    appends `.yaml` to other names, and containerd must never see a half-written spec."""
+    exe = find_program(machine.config.nvidia_ctk, "nvidia_ctk")
+    timeout = machine.config.nvidia_ctk_timeout_seconds
+    version = ctk_version(exe, timeout)
+    with tempfile.TemporaryDirectory(prefix="unbounded-nvidia-setup.") as tmp:
+        output = Path(tmp) / "nvidia.yaml"
+        result = run(generate_argv(machine, exe, version, output), timeout=timeout)
+        if not result.ok:
+            die(f"nvidia-ctk cdi generate failed ({result.why()})",
+                hint=f"the driver root {machine.driver_root} is in place; the previous spec was "
+                     "kept")
+        try:
+            data = output.read_bytes()
+        except OSError:
+            die(f"nvidia-ctk cdi generate wrote no spec at {output}",
+                hint="check the nvidia_ctk_args in the config")
+    import yaml
+
+    try:
+        doc = yaml.safe_load(data)
+    except yaml.YAMLError:
+        die("nvidia-ctk wrote a spec that is not valid YAML; it was not installed",
+            hint="check the NVIDIA Container Toolkit version")
+    problems = spec_problems(doc, machine, code="spec", where="generated spec", kind=KIND,
+                             version=driver_version, helpers=helpers)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        die(f"{problems[0].message}{more}; it was not installed",
+            hint="check the driver root and the NVIDIA Container Toolkit version")
+    return data
+
+
+def install(machine: Machine, data: bytes) -> bool:
+    path = machine.cdi_spec
+    try:
+        changed = write_atomically(path, data)
+    except OSError as e:
+        die(f"cannot install the CDI spec {path}: {e.strerror}",
+            hint=f"make {path.parent} writable for root; the previous spec was kept")
+    if changed:
+        log.info(f"installed {path}")
+    return changed

@@ -1,0 +1,189 @@
+"""`check` and `status`: the live state, validated, changing nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import discover, driver, ldconf, tree
+from .config import Machine
+from .log import Failure
+from .spec import KIND, Problem, device_names, spec_problems
+from .verify import root_problems, root_version
+
+
+@dataclass
+class Report:
+    gpu: bool
+    driver_version: str | None
+    module_version: str | None
+    problems: list[Problem] = field(default_factory=list)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "gpu": self.gpu, "driver_version": self.driver_version,
+                "module_version": self.module_version,
+                "problems": [asdict(p) for p in self.problems], **self.sections}
+
+
+def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
+    """(document, None) or (None, why it could not be read)."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return None, e.strerror
+    except UnicodeDecodeError:
+        return None, "not text"
+    import yaml
+
+    try:
+        return (json.loads(text) if as_json else yaml.safe_load(text)), None
+    except (ValueError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"does not parse: {first}"
+
+
+def _check_root(machine: Machine, report: Report) -> str | None:
+    live = machine.driver_root
+    have = tree.manifest(live)
+    section: dict[str, Any] = {"path": str(live), "present": have is not None}
+    report.sections["driver_root"] = section
+    if os.path.islink(live.parent):
+        report.problems.append(Problem("root-parent-symlink", f"{live.parent} is a symlink",
+                                       str(live.parent)))
+    if have is None:
+        code = "root-not-directory" if os.path.lexists(live) else "root-missing"
+        report.problems.append(Problem(code, f"driver root {live} is missing or not a "
+                                       "directory", str(live)))
+        return None
+    versions = root_version(live, machine.libdir)
+    version = report.module_version or (min(versions) if len(versions) == 1 else None)
+    section.update(
+        version=version,
+        libraries=sorted(k.rsplit("/", 1)[1] for k, v in have.items()
+                         if k.startswith(f"{machine.libdir}/") and v[0] == "f"),
+        helpers=sorted(k.rsplit("/", 1)[1] for k, v in have.items()
+                       if k.startswith("usr/bin/") and v[0] == "f"),
+        firmware=sorted(k for k, v in have.items() if k.startswith("lib/firmware/")
+                        and v[0] == "f"),
+    )
+    report.problems += root_problems(live, machine.libdir, version,
+                                     machine.config.extra_library_prefixes)
+    if report.module_version and versions and versions != {report.module_version}:
+        report.problems.append(Problem("root-version-mismatch",
+                                       f"driver root holds {', '.join(sorted(versions))} but the "
+                                       f"kernel module is {report.module_version}", str(live)))
+    # What the staging mounts call for now: catches tampering and staging that changed.
+    try:
+        dirs = discover.staging_dirs(machine)
+        if not dirs or not all(discover.is_populated(d) for d in dirs):
+            report.problems.append(Problem("staging-missing", "driver staging is not mounted: "
+                                           "cannot compare the root with it",
+                                           machine.staging_parent))
+        else:
+            want = driver.resolve(machine, dirs, report.module_version).manifest()
+            difference = tree.describe_difference(want, have)
+            if difference != "identical":
+                report.problems.append(Problem("root-out-of-date",
+                                               f"driver root differs from staging: {difference}",
+                                               str(live)))
+    except Failure as e:
+        report.problems.append(Problem("staging-invalid", e.message, machine.staging_parent))
+    return version
+
+
+def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
+    path = machine.cdi_spec
+    section: dict[str, Any] = {"path": str(path), "present": path.exists()}
+    report.sections["cdi_spec"] = section
+    if not section["present"]:
+        report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
+        return
+    doc, why = _load(path, path.suffix == ".json")
+    if why:
+        report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
+        return
+    section.update(kind=doc.get("kind") if isinstance(doc, dict) else None,
+                   devices=device_names(doc))
+    helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
+    report.problems += spec_problems(doc, machine, code="spec", where=str(path), kind=KIND,
+                                     version=version, helpers=helpers)
+    shadow = machine.at("/var/run/cdi") / path.name
+    if shadow.exists() and shadow.resolve() != path.resolve():
+        report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
+                                       "devices (nvidia-cdi-refresh?)", str(shadow)))
+
+
+def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
+    path = machine.plugin_spec
+    if not path.exists():
+        return
+    section: dict[str, Any] = {"path": str(path), "present": True}
+    report.sections["device_plugin_spec"] = section
+    doc, why = _load(path, True)
+    if why:
+        report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
+        return
+    section["devices"] = device_names(doc)
+    report.problems += spec_problems(doc, machine, code="plugin-spec", where=str(path),
+                                     kind=None, version=version)
+
+
+def collect(machine: Machine) -> Report:
+    gpu = discover.has_gpu(machine)
+    report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine))
+    if not gpu:
+        for path in (machine.driver_root, machine.cdi_spec, machine.ldconf_dropin):
+            if os.path.lexists(path):
+                report.problems.append(Problem("stale-state", f"no NVIDIA GPU, but {path} "
+                                               "exists", str(path)))
+        return report
+    version = _check_root(machine, report)
+    report.driver_version = version
+    want = ldconf.dropin_text(machine)
+    try:
+        have = machine.ldconf_dropin.read_text()
+    except OSError:
+        have = None
+    if have != want:
+        report.problems.append(Problem("ldconf-missing", f"{machine.ldconf_dropin} is missing "
+                                       "or does not name the driver root",
+                                       str(machine.ldconf_dropin)))
+    for link in ldconf.legacy_links(machine):
+        report.problems.append(Problem("legacy-link", f"{link} points into the staging mounts",
+                                       str(link)))
+    _check_spec(machine, report, version)
+    _check_plugin_spec(machine, report, version)
+    return report
+
+
+def render_status(machine: Machine, report: Report) -> str:
+    root = report.sections.get("driver_root", {})
+    spec = report.sections.get("cdi_spec", {})
+    plugin = report.sections.get("device_plugin_spec")
+    lines = [
+        f"GPU:            {'present' if report.gpu else 'none'}",
+        f"Kernel module:  {report.module_version or 'not readable'}",
+        f"Driver version: {report.driver_version or '-'}",
+    ]
+    if report.gpu:
+        lines += [
+            f"Driver root:    {root.get('path')} "
+            + (f"({len(root.get('libraries', []))} libraries)" if root.get("present")
+               else "(missing)"),
+            f"Helpers:        {', '.join(root.get('helpers', [])) or '-'}",
+            f"CDI spec:       {spec.get('path')} "
+            + (f"(devices: {', '.join(spec.get('devices', [])) or 'none'})"
+               if spec.get("present") else "(missing)"),
+            f"Device plugin:  {plugin['path'] + ' (present)' if plugin else 'no spec yet'}",
+        ]
+    lines.append(f"Problems:       {len(report.problems) or 'none'}")
+    lines += [f"  [{p.code}] {p.message}" for p in report.problems]
+    return "\n".join(lines)

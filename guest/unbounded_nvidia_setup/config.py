@@ -1,0 +1,182 @@
+"""The config file and the machine the tool works on (`--root`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .log import EXIT_USAGE, die
+
+DEFAULT_CONFIG = "/etc/unbounded/nvidia-setup.yaml"
+LOCK_FILE = "/run/lock/unbounded-nvidia-setup.lock"
+LDCONF_DROPIN = "/etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
+PLUGIN_SPEC = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
+MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+
+
+@dataclass(frozen=True)
+class Config:
+    driver_root: str = "/run/nvidia/driver"
+    staging_glob: str = "/run/host-nvidia/*"
+    cdi_spec: str = "/etc/cdi/nvidia.yaml"
+    nvidia_ctk: str = "nvidia-ctk"
+    nvidia_ctk_args: tuple[str, ...] = ()
+    # Not in the original key list: a hung nvidia-ctk must not hold the boot forever.
+    nvidia_ctk_timeout_seconds: float = 120.0
+    ldconfig: str = "ldconfig"
+    arch: str = "auto"
+    staging_wait_seconds: float = 60.0
+    lock_timeout_seconds: float = 300.0
+    extra_library_prefixes: tuple[str, ...] = ()
+
+
+_ABSOLUTE_KEYS = ("driver_root", "staging_glob", "cdi_spec")
+_NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "staging_wait_seconds", "lock_timeout_seconds")
+_LIST_KEYS = ("nvidia_ctk_args", "extra_library_prefixes")
+
+
+def _bad(path: Path, key: str, why: str) -> Any:
+    die(f"config {path}: key '{key}' {why}", hint="fix the file", code=EXIT_USAGE)
+
+
+def parse_config(data: object, path: Path) -> Config:
+    """Validate a parsed YAML document; every mistake names its key (exit 2)."""
+    if data is None:
+        return Config()
+    if not isinstance(data, dict):
+        die(f"config {path}: expected a mapping of keys, got {type(data).__name__}",
+            hint="see the keys in docs/configuration", code=EXIT_USAGE)
+    known = {f.name for f in dataclasses.fields(Config)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            _bad(path, str(key), f"is unknown (known keys: {', '.join(sorted(known))})")
+        if key in _NUMBER_KEYS:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                _bad(path, key, "must be a non-negative number of seconds")
+            values[key] = float(value)
+        elif key in _LIST_KEYS:
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                _bad(path, key, "must be a list of non-empty strings")
+            values[key] = tuple(value)
+        else:
+            if not isinstance(value, str) or not value:
+                _bad(path, key, "must be a non-empty string")
+            values[key] = value
+    for key in _ABSOLUTE_KEYS:
+        if key in values and not values[key].startswith("/"):
+            _bad(path, key, "must be an absolute path")
+    if "cdi_spec" in values and not values["cdi_spec"].endswith((".yaml", ".json")):
+        _bad(path, "cdi_spec", "must end in .yaml or .json (containerd reads only those)")
+    if values.get("arch", "auto") not in ("auto", *MULTIARCH):
+        _bad(path, "arch", "must be auto, x86_64 or aarch64")
+    for key in ("driver_root", "cdi_spec"):
+        if key in values and os.path.normpath(values[key]) in ("/", "/etc", "/run", "/usr"):
+            _bad(path, key, "must not be a system directory")
+    if "/" in values.get("nvidia_ctk", "x") and not values["nvidia_ctk"].startswith("/"):
+        _bad(path, "nvidia_ctk", "must be a program name or an absolute path")
+    return Config(**values)
+
+
+def load_config(root: Path, explicit: Path | None) -> tuple[Config, Path]:
+    path = explicit if explicit is not None else under(root, DEFAULT_CONFIG)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if explicit is not None:
+            die(f"config file {path} does not exist", hint="pass an existing file to --config",
+                code=EXIT_USAGE)
+        return Config(), path
+    except (OSError, UnicodeDecodeError) as e:
+        die(f"cannot read config file {path}: {e}", hint="fix its permissions or content",
+            code=EXIT_USAGE)
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        die(f"config file {path} is not valid YAML{where}", hint="fix its syntax",
+            code=EXIT_USAGE)
+    return parse_config(data, path), path
+
+
+def under(root: Path, path: str) -> Path:
+    """`path` (absolute, as seen inside the machine) resolved under `root`."""
+    return root / path.lstrip("/")
+
+
+def glob_parent(pattern: str) -> str:
+    """The longest leading part of a glob that has no wildcard: `/run/host-nvidia`."""
+    parts: list[str] = []
+    for part in pattern.split("/"):
+        if any(c in part for c in "*?["):
+            break
+        parts.append(part)
+    return "/".join(parts) or "/"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where everything is, for one invocation: the config plus `--root`."""
+
+    root: Path
+    config: Config
+    arch: str
+
+    @classmethod
+    def create(cls, root: Path, config: Config) -> Machine:
+        arch = config.arch
+        if arch == "auto":
+            machine = platform.machine()
+            arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(machine, machine)
+            if arch not in MULTIARCH:
+                die(f"unsupported machine architecture {machine}",
+                    hint="set arch: x86_64 or aarch64 in the config", code=EXIT_USAGE)
+        return cls(root=root, config=config, arch=arch)
+
+    def at(self, path: str) -> Path:
+        return under(self.root, path)
+
+    @property
+    def multiarch(self) -> str:
+        return MULTIARCH[self.arch]
+
+    @property
+    def driver_root(self) -> Path:
+        return self.at(self.config.driver_root)
+
+    @property
+    def libdir(self) -> str:
+        """The library directory inside the driver root, relative to it."""
+        return f"lib/{self.multiarch}"
+
+    @property
+    def cdi_spec(self) -> Path:
+        return self.at(self.config.cdi_spec)
+
+    @property
+    def staging_parent(self) -> str:
+        return glob_parent(self.config.staging_glob)
+
+    @property
+    def ldconf_dropin(self) -> Path:
+        return self.at(LDCONF_DROPIN)
+
+    @property
+    def lock_file(self) -> Path:
+        return self.at(LOCK_FILE)
+
+    @property
+    def plugin_spec(self) -> Path:
+        return self.at(PLUGIN_SPEC)
+
+    @property
+    def is_live(self) -> bool:
+        """True when working on the running system itself, not a tree under --root."""
+        return self.root == Path("/")

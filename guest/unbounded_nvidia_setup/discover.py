@@ -1,0 +1,278 @@
+"""Discovery: devices, the kernel module version, staging dirs, and driver files in them.
+
+Locators here decide by name first and open nothing they do not need: a host library
+directory holds thousands of files, a few dozen of them NVIDIA's.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import stat
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import log
+from .config import Machine
+from .elf import CorruptElf, ElfInfo, read_elf
+from .log import die
+
+LIBRARY_PREFIXES = (
+    "libnvidia-", "libcuda", "libnvcuvid", "libnvoptix", "libEGL_nvidia", "libGLX_nvidia",
+    "libGLESv1_CM_nvidia", "libGLESv2_nvidia", "libvdpau_nvidia",
+)
+# Toolkit libraries that share the `libnvidia-` prefix but are not part of the driver.
+NOT_DRIVER_PREFIXES = ("libnvidia-container",)
+HELPERS = (
+    "nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server", "nvidia-imex", "nvidia-imex-ctl",
+)
+VDPAU = "vdpau"
+# Real driver file names are plain; anything else (spaces, newlines, control characters)
+# would go into every GPU pod's mount list, so it is never a driver file.
+SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
+VERSION_SUFFIX = re.compile(r"\.so\.(\d+\.\d+(?:\.\d+)?)$")
+_MODULE_VERSION = re.compile(r"Kernel Module\b.*?\s(\d+\.\d+(?:\.\d+)?)\s")
+_GPU_NODE = re.compile(r"nvidia(\d+|ctl)")
+_MAX_LINKS = 40
+
+
+def has_gpu(machine: Machine) -> bool:
+    """A GPU is present iff /dev/nvidiactl or /dev/nvidia<N> is a character device."""
+    try:
+        names = os.listdir(machine.at("/dev"))
+    except OSError:
+        return False
+    for name in names:
+        if _GPU_NODE.fullmatch(name):
+            try:
+                if stat.S_ISCHR(os.stat(machine.at(f"/dev/{name}")).st_mode):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def module_version(machine: Machine) -> str | None:
+    """The loaded kernel module's version, when the machine can read it."""
+    try:
+        text = machine.at("/proc/driver/nvidia/version").read_text(errors="replace")
+        if m := _MODULE_VERSION.search(text):
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        text = machine.at("/sys/module/nvidia/version").read_text(errors="replace").strip()
+        if re.fullmatch(r"\d+\.\d+(?:\.\d+)?", text):
+            return text
+    except OSError:
+        pass
+    return None
+
+
+def _natural(path: str) -> tuple[object, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", path))
+
+
+def staging_dirs(machine: Machine) -> list[Path]:
+    """Every staging dir, in natural order. Anything else at a staging path is an error:
+    the host agent bind-mounts directories there, never files or links."""
+    dirs = []
+    for found in sorted(glob.glob(str(machine.at(machine.config.staging_glob))), key=_natural):
+        path = Path(found)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            die(f"staging path {path} is a symlink, not a directory",
+                hint="the host must bind-mount its driver library directory there")
+        if not stat.S_ISDIR(st.st_mode):
+            die(f"staging path {path} is not a directory",
+                hint="the host must bind-mount its driver library directory there")
+        dirs.append(path)
+    return dirs
+
+
+def is_populated(directory: Path) -> bool:
+    try:
+        with os.scandir(directory) as it:
+            return any(True for _ in it)
+    except PermissionError as e:
+        die(f"cannot read staging dir {directory}: {e.strerror}",
+            hint="the host must mount it readable for root")
+    except OSError:
+        return False
+
+
+def resolve_within(root: Path, base: Path, relative: str) -> Path | None:
+    """Resolve `base/relative` as the kernel would, with absolute link targets taken under
+    `root`. None when it dangles, loops, or ends outside `base` (a link escaping its
+    staging dir is ignored). Uses only lstat and readlink: nothing is opened."""
+    parts = deque(relative.split("/"))
+    current = base
+    hops = 0
+    while parts:
+        part = parts.popleft()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if current != root:
+                current = current.parent
+            continue
+        candidate = current / part
+        try:
+            st = os.lstat(candidate)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > _MAX_LINKS:
+                return None
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = root
+            parts.extendleft(reversed(target.split("/")))
+            continue
+        if parts and not stat.S_ISDIR(st.st_mode):
+            return None
+        current = candidate
+    return current if current.is_relative_to(base) and current != base else None
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A file in a staging dir, after links within the dir were resolved."""
+
+    index: int  # which staging dir, in order
+    path: Path  # the real file
+    subdir: str  # where it goes below the library dir: "" or "vdpau"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class Link:
+    """A symlink among the driver files of a staging dir, e.g. libcuda.so.1 -> libcuda.so.X."""
+
+    index: int
+    name: str
+    subdir: str
+    target: Path  # the real file it resolves to
+
+
+@dataclass
+class Scan:
+    libraries: list[Staged] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+    helpers: list[Staged] = field(default_factory=list)
+    firmware: list[tuple[str, Staged]] = field(default_factory=list)  # (version, file)
+
+
+def is_library_name(name: str, extra_prefixes: tuple[str, ...] = ()) -> bool:
+    return (
+        ".so" in name
+        and name.startswith(LIBRARY_PREFIXES + extra_prefixes)
+        and not name.startswith(NOT_DRIVER_PREFIXES)
+    )
+
+
+def _entries(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        return []
+    except OSError as e:
+        die(f"cannot read staging dir {directory}: {e.strerror}",
+            hint="check the host's staging mount")
+
+
+def scan(machine: Machine, dirs: list[Path]) -> Scan:
+    """Find driver libraries, their links, helpers and firmware by name."""
+    extra = machine.config.extra_library_prefixes
+    root = Path(os.path.realpath(machine.root))
+    result = Scan()
+    seen: set[Path] = set()
+    for index, directory in enumerate(dirs):
+        base = Path(os.path.realpath(directory))
+        for subdir in ("", VDPAU):
+            for name in _entries(base / subdir):
+                if not is_library_name(name, extra):
+                    continue
+                relative = f"{subdir}/{name}" if subdir else name
+                if not SAFE_NAME.fullmatch(name):
+                    log.warn(f"ignoring {base / relative}: not a plain file name")
+                    continue
+                target = resolve_within(root, base, relative)
+                if target is None:
+                    log.debug(f"ignoring {base / relative}: dangling, looping or outside "
+                              f"{directory}")
+                    continue
+                target_subdir = VDPAU if target.parent == base / VDPAU else ""
+                if target.name != name:
+                    result.links.append(Link(index, name, subdir, target))
+                if target not in seen and is_library_name(target.name, extra):
+                    seen.add(target)
+                    result.libraries.append(Staged(index, target, target_subdir))
+        for name in HELPERS:
+            target = resolve_within(root, base, name)
+            if target is not None:
+                result.helpers.append(Staged(index, target, ""))
+        for version in _entries(base / "nvidia"):
+            for name in _entries(base / "nvidia" / version):
+                if name.startswith("gsp") and name.endswith(".bin"):
+                    target = resolve_within(root, base, f"nvidia/{version}/{name}")
+                    if target is not None and SAFE_NAME.fullmatch(name):
+                        result.firmware.append((version, Staged(index, target, "")))
+    return result
+
+
+@dataclass(frozen=True)
+class Inspected:
+    """A staged file that was opened: what it is, and the identity to copy it by."""
+
+    staged: Staged
+    elf: ElfInfo | None
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int
+
+    @property
+    def name(self) -> str:
+        return self.staged.name
+
+
+def open_regular(path: Path) -> int:
+    """Open a staged file for reading without following a final link and without blocking
+    on a FIFO; raises OSError, or ValueError when it is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return fd
+
+
+def inspect(staged: Staged) -> Inspected | None:
+    """Open one staged file and read its ELF headers. None when it is not a regular file
+    (FIFO, socket, device, directory); CorruptElf propagates with the path added."""
+    try:
+        fd = open_regular(staged.path)
+    except (OSError, ValueError) as e:
+        log.debug(f"ignoring {staged.path}: {getattr(e, 'strerror', None) or e}")
+        return None
+    with os.fdopen(fd, "rb", buffering=4096) as f:
+        st = os.fstat(fd)
+        try:
+            info = read_elf(f)
+        except CorruptElf as e:
+            die(f"damaged ELF file {staged.path}: {e}",
+                hint="the host's driver installation is broken: reinstall the driver on the "
+                     "host")
+    return Inspected(staged, info, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)

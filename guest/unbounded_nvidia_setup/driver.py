@@ -1,0 +1,34 @@
+"""Discover → plan: the exact driver root the staging mounts call for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import discover, log, plan
+from .config import Machine
+from .discover import Inspected, Staged
+
+
+def _inspect_all(staged: list[Staged]) -> list[Inspected]:
+    return [i for s in staged if (i := discover.inspect(s)) is not None]
+
+
+def resolve(machine: Machine, dirs: list[Path], module_version: str | None) -> plan.Plan:
+    found = discover.scan(machine, dirs)
+    version = plan.driver_version(module_version, found.libraries, found.links)
+    stale = plan.stale_versions(version, found.libraries)
+    if stale:
+        log.info(f"leaving out stale driver files of {', '.join(sorted(stale))}")
+    libraries = _inspect_all(plan.drop_stale(found.libraries, stale))
+    for item in libraries:
+        elf = item.elf
+        if elf is None:
+            log.debug(f"ignoring {item.staged.path}: not an ELF file")
+        elif elf.bits != 64 or elf.machine != machine.arch:
+            log.debug(f"ignoring {item.staged.path}: {elf.bits}-bit {elf.machine}, "
+                      f"not 64-bit {machine.arch}")
+    selected = plan.select_libraries(libraries, found.links, version, machine.arch)
+    helpers = _inspect_all(found.helpers)
+    firmware = [(v, i) for v, s in found.firmware
+                if v == version and (i := discover.inspect(s)) is not None]
+    return plan.make_plan(selected, helpers, firmware, version, machine.arch, machine.libdir)

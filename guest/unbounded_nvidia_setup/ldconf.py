@@ -1,0 +1,93 @@
+"""The machine's own dynamic linker: the ld.so.conf.d drop-in, ldconfig, legacy links."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from . import log
+from .config import Machine
+from .log import die
+from .run import find_program, run
+
+HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
+
+
+def dropin_text(machine: Machine) -> str:
+    return f"{HEADER}{machine.config.driver_root.rstrip('/')}/{machine.libdir}\n"
+
+
+def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool = True) -> bool:
+    """Replace `path` with `data` in one rename; False when it already held exactly that.
+    The temp name ends in `.tmp` so no reader that globs *.conf, *.yaml or *.json takes it."""
+    try:
+        if path.read_bytes() == data and stat.S_IMODE(os.stat(path).st_mode) == mode:
+            return False
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    if sync:
+        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+    return True
+
+
+def install_dropin(machine: Machine) -> None:
+    path = machine.ldconf_dropin
+    try:
+        if write_atomically(path, dropin_text(machine).encode()):
+            log.info(f"wrote {path}")
+    except OSError as e:
+        die(f"cannot write {path}: {e.strerror}", hint="/etc must be writable for root")
+
+
+def legacy_links(machine: Machine) -> list[Path]:
+    """Older agents linked driver files into /usr/lib/<multiarch> pointing at the staging
+    mounts; those links shadow the driver root and dangle wherever staging is hidden."""
+    directory = machine.at(f"/usr/lib/{machine.multiarch}")
+    prefix = machine.staging_parent.rstrip("/") + "/"
+    found = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink() and os.readlink(entry.path).startswith(prefix):
+                    found.append(Path(entry.path))
+    except OSError:
+        pass
+    return found
+
+
+def remove_legacy_links(machine: Machine) -> None:
+    for path in legacy_links(machine):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            die(f"cannot remove legacy link {path}: {e.strerror}", hint="remove it by hand")
+        log.info(f"removed legacy link {path} (pointed into {machine.staging_parent})")
+
+
+def run_ldconfig(machine: Machine) -> None:
+    ldconfig = find_program(machine.config.ldconfig, "ldconfig")
+    argv = [ldconfig] if machine.is_live else [ldconfig, "-r", str(machine.root)]
+    result = run(argv, timeout=120)
+    if not result.ok:
+        die(f"ldconfig failed ({result.why()})", hint="check /etc/ld.so.conf.d and disk space")

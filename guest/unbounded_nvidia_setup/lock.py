@@ -1,0 +1,52 @@
+"""One run at a time: an flock on /run/lock/unbounded-nvidia-setup.lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from . import log
+from .config import Machine
+from .log import EXIT_TEMPFAIL, die
+
+_POLL = 0.1
+
+
+@contextmanager
+def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
+    """Hold the lock (shared for readers such as `check`) or exit 75 after the timeout."""
+    path = machine.lock_file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except PermissionError:
+        if exclusive:
+            die(f"cannot open the lock file {path}: permission denied", hint="run as root")
+        yield  # an unprivileged `check` reads without the lock
+        return
+    except OSError as e:
+        die(f"cannot open the lock file {path}: {e.strerror}", hint="check that /run is writable")
+    try:
+        timeout = machine.config.lock_timeout_seconds
+        deadline = time.monotonic() + timeout
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    die(f"another unbounded-nvidia-setup holds {path} for more than "
+                        f"{timeout:g} s", hint="wait for it to finish, or find it with "
+                        f"`fuser {path}`", code=EXIT_TEMPFAIL)
+                if not waiting:
+                    log.status(f"Waiting for another run holding {path}")
+                    waiting = True
+                time.sleep(_POLL)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,149 @@
+"""`run` and `clean`: the reconcile of DESIGN.md, one step after the other."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+from . import cdi, discover, driver, ldconf, log, tree
+from .config import Machine
+from .lock import locked
+from .log import EXIT_TEMPFAIL, die
+from .verify import root_problems
+
+# Programs that hold the driver root open in pods: swapping under them is refused.
+CONSUMERS = ("containerd", "kubelet")
+_POLL = 1.0
+
+
+def running_consumers(machine: Machine) -> list[str]:
+    found = set()
+    proc = machine.at("/proc")
+    try:
+        pids = [p for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            comm = (proc / pid / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm in CONSUMERS:
+            found.add(comm)
+    return sorted(found)
+
+
+def wait_for_staging(machine: Machine) -> list[Path]:
+    """All staging dirs, once every one of them is populated (an empty one is a bind mount
+    the host has not made yet); exit 75 when they are not within the configured wait."""
+    wait = machine.config.staging_wait_seconds
+    start = time.monotonic()
+    pattern = machine.at(machine.config.staging_glob)
+    while True:
+        dirs = discover.staging_dirs(machine)
+        empty = [d for d in dirs if not discover.is_populated(d)]
+        if dirs and not empty:
+            return dirs
+        waited = time.monotonic() - start
+        what = f"{', '.join(map(str, empty))} empty" if empty else f"nothing at {pattern}"
+        if waited >= wait:
+            die(f"NVIDIA devices present but driver staging is not ready after {wait:g} s "
+                f"({what})", hint="the host agent must bind-mount its driver library "
+                "directories; systemd retries", code=EXIT_TEMPFAIL)
+        log.status(f"Waiting for driver staging ({what}, {waited:.0f} s of {wait:g} s)")
+        time.sleep(min(_POLL, max(0.0, wait - waited)))
+
+
+def remove_state(machine: Machine) -> list[Path]:
+    """Remove the driver root, spec and ld.so.conf drop-in; the root goes in one rename
+    so nobody sees it half deleted."""
+    removed = []
+    live = machine.driver_root
+    if os.path.lexists(live):
+        doomed = live.parent / f"{tree.GENERATION_PREFIX}{secrets.token_hex(4)}"
+        os.rename(live, doomed)
+        tree.remove_tree(doomed)
+        removed.append(live)
+    tree.remove_leftovers(live.parent)
+    for path in (machine.cdi_spec, machine.ldconf_dropin):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    if machine.ldconf_dropin in removed:
+        ldconf.run_ldconfig(machine)
+    for path in removed:
+        log.info(f"removed {path}")
+    return removed
+
+
+def clean(machine: Machine) -> None:
+    with locked(machine):
+        try:
+            removed = remove_state(machine)
+        except OSError as e:
+            die(f"cannot remove {e.filename}: {e.strerror}", hint="remove it by hand")
+    log.status(f"Removed {len(removed)} items" if removed else "Nothing to remove")
+
+
+def reconcile(machine: Machine, *, force: bool = False) -> None:
+    with locked(machine):
+        _reconcile(machine, force)
+
+
+def _reconcile(machine: Machine, force: bool) -> None:
+    log.status("Looking for NVIDIA devices")
+    if not discover.has_gpu(machine):
+        try:
+            removed = remove_state(machine)
+        except OSError as e:
+            die(f"cannot remove stale driver state {e.filename}: {e.strerror}",
+                hint="remove it by hand")
+        log.status("No NVIDIA GPU in this machine: nothing to set up"
+                   + (f" (removed {len(removed)} stale items)" if removed else ""))
+        return
+
+    module = discover.module_version(machine)
+    log.info(f"kernel module version: {module or 'not readable'}")
+    dirs = wait_for_staging(machine)
+    log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
+    plan = driver.resolve(machine, dirs, module)
+
+    live = machine.driver_root
+    tree.ensure_parent(machine.root, live.parent)
+    tree.remove_leftovers(live.parent)
+    if tree.manifest(live) == plan.manifest():
+        log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
+    else:
+        busy = running_consumers(machine)
+        if busy and not force:
+            die(f"{' and '.join(busy)} running: swapping {live} now would change the driver "
+                "under running pods", hint="run `systemctl restart unbounded-nvidia-setup` "
+                "(it stops kubelet and containerd first), or pass --force")
+        log.status(f"Building driver root for driver {plan.version} "
+                   f"({len(plan.files)} files)")
+        new = tree.build(plan, live.parent)
+        difference = tree.describe_difference(plan.manifest(), tree.manifest(new))
+        problems = root_problems(new, machine.libdir, plan.version,
+                                 machine.config.extra_library_prefixes)
+        if difference != "identical" or problems:
+            tree.remove_tree(new)
+            what = problems[0].message if problems else difference
+            die(f"the new driver root failed verification ({what})",
+                hint="this is a bug; the live root was left as it was")
+        tree.swap(new, live)
+        log.info(f"driver root {live} now holds driver {plan.version}")
+
+    ldconf.install_dropin(machine)
+    ldconf.remove_legacy_links(machine)
+    ldconf.run_ldconfig(machine)
+
+    log.status("Generating the CDI spec")
+    helpers = tuple(f.dest.rsplit("/", 1)[1] for f in plan.files
+                    if f.dest == "usr/bin/nvidia-smi")
+    cdi.install(machine, cdi.generate(machine, plan.version, helpers))
+    log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
+               f"spec {machine.cdi_spec}")

@@ -1,0 +1,111 @@
+"""Validation of CDI specs: ours (/etc/cdi/nvidia.yaml) and the device plugin's."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Machine
+
+KIND = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the live state. `code` is stable (docs/problems.md)."""
+
+    code: str
+    message: str
+    path: str | None = None
+
+
+def host_path(machine: Machine, path: str) -> Path:
+    """A hostPath as this process sees it. Under --root, specs that nvidia-ctk generated
+    already name real paths (root-prefixed); paths written for the machine itself do not."""
+    if machine.is_live or path == str(machine.root) or path.startswith(f"{machine.root}/"):
+        return Path(path)
+    return machine.at(path)
+
+
+def _edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    edits = [doc.get("containerEdits")]
+    for device in doc.get("devices") or []:
+        if isinstance(device, dict):
+            edits.append(device.get("containerEdits"))
+    return [e for e in edits if isinstance(e, dict)]
+
+
+def _entries(edits: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [m for e in edits for m in (e.get(key) or []) if isinstance(m, dict)]
+
+
+def mounted_names(doc: Any) -> set[str]:
+    if not isinstance(doc, dict):
+        return set()
+    return {os.path.basename(str(m.get("hostPath", ""))) for m in _entries(_edits(doc), "mounts")}
+
+
+def device_names(doc: Any) -> list[str]:
+    if not isinstance(doc, dict):
+        return []
+    return [str(d.get("name")) for d in doc.get("devices") or [] if isinstance(d, dict)]
+
+
+def spec_problems(doc: Any, machine: Machine, *, code: str, where: str, kind: str | None,
+                  version: str | None, helpers: tuple[str, ...] = ()) -> list[Problem]:
+    """Everything DESIGN step 10 asks of a spec, as problems named `<code>-…`."""
+    if not isinstance(doc, dict):
+        return [Problem(f"{code}-invalid", f"{where} is not a CDI spec (no mapping)", where)]
+    problems = []
+    if kind is not None and doc.get("kind") != kind:
+        problems.append(Problem(f"{code}-wrong-kind",
+                                f"{where} has kind {doc.get('kind')!r}, expected {kind!r}", where))
+    if not device_names(doc):
+        problems.append(Problem(f"{code}-no-devices", f"{where} lists no devices", where))
+    edits = _edits(doc)
+    driver_root = machine.driver_root
+    staging = machine.at(machine.staging_parent)
+    driver_files = set()
+    for mount in _entries(edits, "mounts"):
+        raw = str(mount.get("hostPath", ""))
+        path = host_path(machine, raw)
+        if path.is_relative_to(staging) or Path(raw).is_relative_to(machine.staging_parent):
+            problems.append(Problem(f"{code}-staging-path",
+                                    f"{where} mounts {raw} from the staging mounts, which GPU "
+                                    "pods cannot rely on", raw))
+        elif not os.path.exists(path):
+            problems.append(Problem(f"{code}-missing-host-path",
+                                    f"{where} mounts {raw}, which does not exist", raw))
+        elif path.is_relative_to(driver_root):
+            driver_files.add(path.name)
+    for node in _entries(edits, "deviceNodes"):
+        raw = str(node.get("hostPath") or node.get("path") or "")
+        try:
+            ok = stat.S_ISCHR(os.stat(host_path(machine, raw)).st_mode)
+        except OSError:
+            ok = False
+        if not ok:
+            problems.append(Problem(f"{code}-bad-device-node",
+                                    f"{where} names device node {raw!r}, which is not a "
+                                    "character device", raw))
+    patterns = [("libcuda.so", "library"), ("libnvidia-ml.so", "library")]
+    patterns += [(h, "helper") for h in helpers]
+    for name, what in patterns:
+        if what == "helper":
+            found = name in driver_files
+            wanted = name
+        elif version:
+            wanted = f"{name}.{version}"
+            found = wanted in driver_files
+        else:
+            wanted = f"{name}.<version>"
+            found = any(re.fullmatch(rf"{re.escape(name)}\.\d+\.\d+(\.\d+)?", n)
+                        for n in driver_files)
+        if not found:
+            problems.append(Problem(f"{code}-missing-{what}",
+                                    f"{where} does not mount {wanted} from {driver_root}", where))
+    return problems

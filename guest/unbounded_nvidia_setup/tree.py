@@ -1,0 +1,222 @@
+"""The driver root on disk: read its manifest, build a new generation, swap it in."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import log
+from .discover import open_regular
+from .log import die
+from .plan import Manifest, Plan, PlannedFile
+
+GENERATION_PREFIX = ".driver."
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_CHUNK = 1 << 30
+
+
+def manifest(root: Path) -> Manifest | None:
+    """What is below `root`, in the form Plan.manifest() uses; None if `root` is not a
+    real directory."""
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            return None
+    except FileNotFoundError:
+        return None
+    result: Manifest = {}
+    owner = os.geteuid()  # a file owned by anyone else was not made by this tool
+    for directory, dirs, files in os.walk(root):
+        rel = os.path.relpath(directory, root)
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            key = name if rel == "." else f"{rel}/{name}"
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                result[key] = ("l", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                result[key] = ("d",)
+            elif stat.S_ISREG(st.st_mode) and st.st_uid == owner:
+                result[key] = ("f", st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+            else:
+                result[key] = ("?", str(stat.S_IFMT(st.st_mode)))
+    return dict(sorted(result.items()))
+
+
+def describe_difference(want: Manifest, have: Manifest | None) -> str:
+    if have is None:
+        return "missing"
+    for key in sorted(set(want) | set(have)):
+        if key not in have:
+            return f"{key} missing"
+        if key not in want:
+            return f"{key} unexpected"
+        if want[key] != have[key]:
+            return f"{key} differs"
+    return "identical"
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a generation (or whatever stands at its path) without following links."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_leftovers(parent: Path) -> None:
+    """Generations a crashed run left behind next to the live root."""
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(GENERATION_PREFIX):
+            log.info(f"removing leftover {parent / name}")
+            remove_tree(parent / name)
+
+
+def ensure_parent(root: Path, parent: Path) -> None:
+    """Create the root's parent; refuse when any part of it below `root` is a symlink,
+    since a link there could point the whole driver root anywhere."""
+    current = root
+    for part in parent.relative_to(root).parts:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            os.mkdir(current, 0o755)
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            die(f"{current} is a symlink", hint="remove it; the driver root must be created "
+                "in a real directory")
+        if not stat.S_ISDIR(st.st_mode):
+            die(f"{current} is not a directory", hint="remove it")
+
+
+def _copy(src: PlannedFile, dest: Path, as_root: bool) -> None:
+    want = src.source
+    try:
+        fd_in = open_regular(want.staged.path)
+    except (OSError, ValueError) as e:
+        die(f"staged file {want.staged.path} vanished or changed type: {e}",
+            hint="the host changed its driver files during setup; retry")
+    try:
+        st = os.fstat(fd_in)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
+                want.dev, want.ino, want.size, want.mtime_ns):
+            die(f"staged file {want.staged.path} changed during setup",
+                hint="the host is updating its driver; the unit retries")
+        fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        try:
+            copied = _copy_fd(fd_in, fd_out, want.size)
+            after = os.fstat(fd_in)
+            if copied != want.size or (after.st_size, after.st_mtime_ns) != (
+                    want.size, want.mtime_ns):
+                die(f"staged file {want.staged.path} changed while being copied",
+                    hint="the host is updating its driver; the unit retries")
+            if as_root:
+                os.fchown(fd_out, 0, 0)
+            os.fchmod(fd_out, src.mode)
+            os.utime(fd_out, ns=(want.mtime_ns, want.mtime_ns))
+        finally:
+            os.close(fd_out)
+    finally:
+        os.close(fd_in)
+
+
+def _copy_fd(fd_in: int, fd_out: int, size: int) -> int:
+    """Copy in the kernel: copy_file_range (reflinks where the filesystem can), sendfile
+    where it cannot cross filesystems. Bytes never pass through Python."""
+    copied = 0
+    use_range = True
+    while True:
+        try:
+            if use_range:
+                n = os.copy_file_range(fd_in, fd_out, _CHUNK)
+            else:
+                n = os.sendfile(fd_out, fd_in, None, _CHUNK)
+        except OSError as e:
+            if use_range and e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                         errno.EOPNOTSUPP):
+                use_range = False
+                continue
+            raise
+        if n == 0:
+            return copied
+        copied += n
+        if copied > size:  # the source grew; the caller reports it
+            return copied
+
+
+def build(plan: Plan, parent: Path) -> Path:
+    """A complete new generation in `parent` (the live root's directory, so the swap is a
+    rename on one filesystem). On any error nothing is left behind."""
+    new = Path(tempfile.mkdtemp(prefix=GENERATION_PREFIX, dir=parent))
+    try:
+        for path in sorted({str(Path(f.dest).parent) for f in plan.files}
+                           | {str(Path(p).parent) for p, _ in plan.links}):
+            (new / path).mkdir(mode=0o755, parents=True, exist_ok=True)
+        as_root = os.geteuid() == 0
+        # Largest first keeps both cores busy to the end.
+        files = sorted(plan.files, key=lambda f: -f.source.size)
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+            try:
+                for future in [pool.submit(_copy, f, new / f.dest, as_root) for f in files]:
+                    future.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        for path, target in plan.links:
+            os.symlink(target, new / path)
+        for directory, _, _ in os.walk(new):
+            os.chmod(directory, 0o755)
+    except OSError as e:
+        remove_tree(new)
+        if e.errno == errno.ENOSPC:
+            die(f"no space left in {parent} to build the driver root",
+                hint="free space on that filesystem (it needs room for the driver files twice "
+                     "during a swap)")
+        if e.errno == errno.EROFS:
+            die(f"{parent} is read-only", hint="the driver root must live on a writable tmpfs")
+        die(f"cannot build the driver root in {parent}: {e.strerror} ({e.filename or ''})",
+            hint="check the filesystem")
+    except BaseException:
+        remove_tree(new)
+        raise
+    return new
+
+
+def _renameat2_exchange(a: Path, b: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
+                      _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(b))
+
+
+def swap(new: Path, live: Path) -> None:
+    """Make `new` the live root in one step, then delete the old generation."""
+    try:
+        os.lstat(live)
+    except FileNotFoundError:
+        os.rename(new, live)
+        return
+    try:
+        _renameat2_exchange(new, live)
+    except OSError as e:
+        remove_tree(new)
+        die(f"cannot swap the driver root at {live} atomically: {e.strerror}",
+            hint="/run/nvidia must be a local filesystem such as tmpfs, and the driver root "
+                 "not a mount point")
+    remove_tree(new)  # now the old generation

@@ -1,0 +1,97 @@
+"""Invariants of a driver root, checked on every new generation and by `check`."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from .discover import HELPERS, VDPAU, is_library_name
+from .plan import EXECUTABLE_MODE, LIBRARY_MODE, REQUIRED, name_version
+from .spec import Problem
+
+
+def root_version(root: Path, libdir: str) -> set[str]:
+    """Driver versions of the libcuda.so.<ver> files in a root."""
+    try:
+        names = os.listdir(root / libdir)
+    except OSError:
+        return set()
+    return {v for n in names if n.startswith("libcuda.so.") and (v := name_version(n))}
+
+
+def _allowed(rel: str, libdir: str, is_dir: bool, extra: tuple[str, ...]) -> bool:
+    parts = rel.split("/")
+    if is_dir:
+        return rel in ("lib", libdir, f"{libdir}/{VDPAU}", "usr", "usr/bin", "lib/firmware",
+                       "lib/firmware/nvidia") or (
+            len(parts) == 4 and rel.startswith("lib/firmware/nvidia/"))
+    directory, name = os.path.dirname(rel), parts[-1]
+    if directory in (libdir, f"{libdir}/{VDPAU}"):
+        return is_library_name(name, extra)
+    if directory == "usr/bin":
+        return name in HELPERS
+    return (len(parts) == 5 and rel.startswith("lib/firmware/nvidia/")
+            and re.fullmatch(r"gsp.*\.bin", name) is not None)
+
+
+def root_problems(root: Path, libdir: str, version: str | None,
+                  extra_prefixes: tuple[str, ...] = ()) -> list[Problem]:
+    """Problems with the driver root at `root` (assumed to be a directory)."""
+    problems: list[Problem] = []
+    real_root = os.path.realpath(root)
+    check_owner = os.geteuid() == 0
+    for directory, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, root)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                resolved = os.path.realpath(path)
+                if target.startswith("/"):
+                    problems.append(Problem("root-absolute-link",
+                                            f"{path} is an absolute link to {target}", path))
+                elif not Path(resolved).is_relative_to(real_root):
+                    problems.append(Problem("root-escaping-link",
+                                            f"{path} points outside the driver root", path))
+                elif not os.path.exists(path):
+                    problems.append(Problem("root-dangling-link",
+                                            f"{path} points to {target}, which does not exist",
+                                            path))
+                if not _allowed(rel, libdir, False, extra_prefixes):
+                    problems.append(Problem("root-foreign-file",
+                                            f"{path} is not an NVIDIA driver file", path))
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if not (is_dir or stat.S_ISREG(st.st_mode)) or not _allowed(
+                    rel, libdir, is_dir, extra_prefixes):
+                problems.append(Problem("root-foreign-file",
+                                        f"{path} is not an NVIDIA driver file", path))
+                continue
+            if check_owner and (st.st_uid, st.st_gid) != (0, 0):
+                problems.append(Problem("root-bad-owner",
+                                        f"{path} is owned by {st.st_uid}:{st.st_gid}, not root",
+                                        path))
+            mode = stat.S_IMODE(st.st_mode)
+            allowed_modes = (EXECUTABLE_MODE,) if is_dir else (LIBRARY_MODE, EXECUTABLE_MODE)
+            if mode not in allowed_modes:
+                problems.append(Problem("root-bad-mode", f"{path} has mode {mode:04o}", path))
+    versions = {version} if version else root_version(root, libdir)
+    if len(versions) > 1:
+        problems.append(Problem("root-mixed-versions",
+                                f"{root} holds libcuda of several drivers: "
+                                f"{', '.join(sorted(versions))}", str(root)))
+    for ver in sorted(versions) or ["<version>"]:
+        for base in REQUIRED:
+            library = root / libdir / f"{base}.{ver}"
+            link = root / libdir / f"{base}.1"
+            if not library.is_file() or library.is_symlink():
+                code = "root-library-not-regular" if os.path.lexists(library) else (
+                    "root-missing-library")
+                problems.append(Problem(code, f"{library} is not a regular file", str(library)))
+            elif not link.is_symlink() or os.path.realpath(link) != os.path.realpath(library):
+                problems.append(Problem("root-missing-link",
+                                        f"{link} does not point to {library.name}", str(link)))
+    return problems
