@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import log
@@ -21,37 +22,42 @@ HOOKS_SINCE = (1, 18)
 _VERSION = re.compile(r"version\s+v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
-def ctk_version(exe: str, timeout: float) -> tuple[int, int, int]:
-    result = run([exe, "--version"], timeout=timeout)
+@dataclass(frozen=True)
+class Ctk:
+    exe: str
+    version: tuple[int, int, int]
+
+
+def find_ctk(machine: Machine) -> Ctk:
+    """nvidia-ctk and its version, found before anything live changes."""
+    exe = find_program(machine.config.nvidia_ctk, "nvidia_ctk")
+    result = run([exe, "--version"], timeout=machine.config.nvidia_ctk_timeout_seconds)
     m = _VERSION.search(result.stdout)
     if not result.ok or not m:
         die(f"cannot tell the version of {exe} ({result.why() if not result.ok else 'no version'})",
             hint="install a working NVIDIA Container Toolkit")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    return Ctk(exe, (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)))
 
 
-def generate_argv(machine: Machine, exe: str, version: tuple[int, int, int],
-                  output: Path) -> list[str]:
-    argv = [exe, "cdi", "generate", f"--driver-root={machine.driver_root}",
+def generate_argv(machine: Machine, ctk: Ctk, output: Path) -> list[str]:
+    argv = [ctk.exe, "cdi", "generate", f"--driver-root={machine.driver_root}",
             f"--dev-root={machine.root}", "--format=yaml", f"--output={output}"]
-    if version >= HOOKS_SINCE:
+    if ctk.version >= HOOKS_SINCE:
         argv += HOOK_FLAGS
     return argv + list(machine.config.nvidia_ctk_args)
 
 
-def generate(machine: Machine, driver_version: str, helpers: tuple[str, ...]) -> bytes:
+def generate(machine: Machine, ctk: Ctk, driver_version: str, helpers: tuple[str, ...]) -> bytes:
     """A validated spec for the live driver root. Generated outside /etc/cdi: nvidia-ctk
     appends `.yaml` to other names, and containerd must never see a half-written spec."""
-    exe = find_program(machine.config.nvidia_ctk, "nvidia_ctk")
     timeout = machine.config.nvidia_ctk_timeout_seconds
-    version = ctk_version(exe, timeout)
     with tempfile.TemporaryDirectory(prefix="unbounded-nvidia-setup.") as tmp:
         output = Path(tmp) / "nvidia.yaml"
-        result = run(generate_argv(machine, exe, version, output), timeout=timeout)
+        result = run(generate_argv(machine, ctk, output), timeout=timeout)
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
-                hint=f"the driver root {machine.driver_root} is in place; the previous spec was "
-                     "kept")
+                hint="the previous driver root and spec were kept; see the journal for its "
+                     "output")
         try:
             data = output.read_bytes()
         except OSError:
@@ -69,7 +75,8 @@ def generate(machine: Machine, driver_version: str, helpers: tuple[str, ...]) ->
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         die(f"{problems[0].message}{more}; it was not installed",
-            hint="check the driver root and the NVIDIA Container Toolkit version")
+            hint="the previous driver root and spec were kept; check the NVIDIA Container "
+                 "Toolkit version")
     return data
 
 
@@ -79,7 +86,8 @@ def install(machine: Machine, data: bytes) -> bool:
         changed = write_atomically(path, data)
     except OSError as e:
         die(f"cannot install the CDI spec {path}: {e.strerror}",
-            hint=f"make {path.parent} writable for root; the previous spec was kept")
+            hint=f"make {path.parent} writable for root; the previous driver root and spec "
+                 "were kept")
     if changed:
         log.info(f"installed {path}")
     return changed

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from pathlib import Path
 
 from . import cdi, discover, driver, ldconf, log, tree
 from .config import Machine
 from .lock import locked
-from .log import EXIT_TEMPFAIL, die
+from .log import EXIT_TEMPFAIL, Failure, die
+from .run import find_program
 from .verify import root_problems
 
 # Programs that hold the driver root open in pods: swapping under them is refused.
@@ -62,9 +62,7 @@ def remove_state(machine: Machine) -> list[Path]:
     removed = []
     live = machine.driver_root
     if os.path.lexists(live):
-        doomed = live.parent / f"{tree.GENERATION_PREFIX}{secrets.token_hex(4)}"
-        os.rename(live, doomed)
-        tree.remove_tree(doomed)
+        tree.unswap(live, None)
         removed.append(live)
     tree.remove_leftovers(live.parent)
     for path in (machine.cdi_spec, machine.ldconf_dropin):
@@ -112,9 +110,14 @@ def _reconcile(machine: Machine, force: bool) -> None:
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
     plan = driver.resolve(machine, dirs, module)
 
+    # Everything the steps below need is found before anything live changes.
+    ctk = cdi.find_ctk(machine)
+    find_program(machine.config.ldconfig, "ldconfig")
+
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
     tree.remove_leftovers(live.parent)
+    swapped, old = False, None
     if tree.manifest(live) == plan.manifest():
         log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
     else:
@@ -134,16 +137,26 @@ def _reconcile(machine: Machine, force: bool) -> None:
             what = problems[0].message if problems else difference
             die(f"the new driver root failed verification ({what})",
                 hint="this is a bug; the live root was left as it was")
-        tree.swap(new, live)
+        old = tree.swap(new, live)
+        swapped = True
+
+    # The spec is made for the new root before the old one is deleted: when nvidia-ctk
+    # fails, the previous root and spec stay live together.
+    log.status("Generating the CDI spec")
+    helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in plan.manifest() else ()
+    try:
+        cdi.install(machine, cdi.generate(machine, ctk, plan.version, helpers))
+    except Failure:
+        if swapped:
+            tree.unswap(live, old)
+        raise
+    if old is not None:
+        tree.remove_tree(old)
+    if swapped:
         log.info(f"driver root {live} now holds driver {plan.version}")
 
     ldconf.install_dropin(machine)
     ldconf.remove_legacy_links(machine)
     ldconf.run_ldconfig(machine)
-
-    log.status("Generating the CDI spec")
-    helpers = tuple(f.dest.rsplit("/", 1)[1] for f in plan.files
-                    if f.dest == "usr/bin/nvidia-smi")
-    cdi.install(machine, cdi.generate(machine, plan.version, helpers))
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")

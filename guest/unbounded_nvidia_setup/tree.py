@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import stat
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 from . import log
 from .discover import open_regular
@@ -162,7 +164,10 @@ def _copy_fd(fd_in: int, fd_out: int, size: int) -> int:
 def build(plan: Plan, parent: Path) -> Path:
     """A complete new generation in `parent` (the live root's directory, so the swap is a
     rename on one filesystem). On any error nothing is left behind."""
-    new = Path(tempfile.mkdtemp(prefix=GENERATION_PREFIX, dir=parent))
+    try:
+        new = Path(tempfile.mkdtemp(prefix=GENERATION_PREFIX, dir=parent))
+    except OSError as e:
+        _die_for(e, parent)
     try:
         for path in sorted({str(Path(f.dest).parent) for f in plan.files}
                            | {str(Path(p).parent) for p, _ in plan.links}):
@@ -183,18 +188,21 @@ def build(plan: Plan, parent: Path) -> Path:
             os.chmod(directory, 0o755)
     except OSError as e:
         remove_tree(new)
-        if e.errno == errno.ENOSPC:
-            die(f"no space left in {parent} to build the driver root",
-                hint="free space on that filesystem (it needs room for the driver files twice "
-                     "during a swap)")
-        if e.errno == errno.EROFS:
-            die(f"{parent} is read-only", hint="the driver root must live on a writable tmpfs")
-        die(f"cannot build the driver root in {parent}: {e.strerror} ({e.filename or ''})",
-            hint="check the filesystem")
+        _die_for(e, parent)
     except BaseException:
         remove_tree(new)
         raise
     return new
+
+
+def _die_for(e: OSError, parent: Path) -> NoReturn:
+    if e.errno == errno.ENOSPC:
+        die(f"no space left in {parent} to build the driver root",
+            hint="free space on that filesystem (it needs room for the driver files twice "
+                 "during a swap)")
+    if e.errno == errno.EROFS:
+        die(f"{parent} is read-only", hint="the driver root must live on a writable tmpfs")
+    die(f"cannot build the driver root in {parent}: {e.strerror}", hint="check the filesystem")
 
 
 def _renameat2_exchange(a: Path, b: Path) -> None:
@@ -205,13 +213,14 @@ def _renameat2_exchange(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err), str(b))
 
 
-def swap(new: Path, live: Path) -> None:
-    """Make `new` the live root in one step, then delete the old generation."""
+def swap(new: Path, live: Path) -> Path | None:
+    """Make `new` the live root in one step. Returns where the old generation now is (the
+    caller deletes it once the spec is installed, or swaps it back), None if there was none."""
     try:
         os.lstat(live)
     except FileNotFoundError:
         os.rename(new, live)
-        return
+        return None
     try:
         _renameat2_exchange(new, live)
     except OSError as e:
@@ -219,4 +228,16 @@ def swap(new: Path, live: Path) -> None:
         die(f"cannot swap the driver root at {live} atomically: {e.strerror}",
             hint="/run/nvidia must be a local filesystem such as tmpfs, and the driver root "
                  "not a mount point")
-    remove_tree(new)  # now the old generation
+    return new
+
+
+def unswap(live: Path, old: Path | None) -> None:
+    """Undo swap(): the old generation goes live again (or the root goes away when there
+    was none before), the rejected one is deleted."""
+    if old is not None:
+        _renameat2_exchange(old, live)
+        remove_tree(old)
+        return
+    doomed = live.parent / f"{GENERATION_PREFIX}{secrets.token_hex(4)}"
+    os.rename(live, doomed)
+    remove_tree(doomed)

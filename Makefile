@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both install what
+# they need (a virtualenv here, Debian packages via tests/install-deps when root).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+
+.PHONY: all venv deps demo test lint unit clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(STAMP)
+
+deps:
+	tests/install-deps
+
+demo: venv deps
+	$(BIN)/python tests/demo.py
+
+lint: venv
+	$(BIN)/ruff check guest tests
+	$(BIN)/mypy
+
+test: venv deps lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) build dist debian .mypy_cache .ruff_cache .pytest_cache

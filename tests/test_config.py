@@ -1,0 +1,86 @@
+"""Config file handling: defaults, validation, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Cli
+
+from unbounded_nvidia_setup.config import Config, load_config, parse_config
+from unbounded_nvidia_setup.log import EXIT_USAGE, Failure
+
+
+def test_defaults_match_the_design() -> None:
+    c = Config()
+    assert (c.driver_root, c.staging_glob, c.cdi_spec) == (
+        "/run/nvidia/driver", "/run/host-nvidia/*", "/etc/cdi/nvidia.yaml")
+    assert (c.nvidia_ctk, c.nvidia_ctk_args, c.ldconfig, c.arch) == ("nvidia-ctk", (),
+                                                                     "ldconfig", "auto")
+    assert (c.staging_wait_seconds, c.lock_timeout_seconds) == (60, 300)
+    assert c.extra_library_prefixes == ()
+
+
+def test_missing_default_file_means_defaults(tmp_path: Path) -> None:
+    config, path = load_config(tmp_path, None)
+    assert config == Config()
+    assert path == tmp_path / "etc/unbounded/nvidia-setup.yaml"
+
+
+def test_full_file_is_read(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("driver_root: /run/x/driver\nnvidia_ctk_args: [--mode=management]\n"
+                 "staging_wait_seconds: 5\narch: aarch64\nextra_library_prefixes: [libfoo]\n")
+    config, _ = load_config(tmp_path, f)
+    assert config.driver_root == "/run/x/driver"
+    assert config.nvidia_ctk_args == ("--mode=management",)
+    assert config.staging_wait_seconds == 5.0
+    assert config.extra_library_prefixes == ("libfoo",)
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"driver_rot": "/x"}, "driver_rot"),
+    ({"staging_wait_seconds": "60"}, "staging_wait_seconds"),
+    ({"staging_wait_seconds": True}, "staging_wait_seconds"),
+    ({"lock_timeout_seconds": -1}, "lock_timeout_seconds"),
+    ({"nvidia_ctk_args": "--mode=nvml"}, "nvidia_ctk_args"),
+    ({"driver_root": "run/nvidia"}, "driver_root"),
+    ({"driver_root": "/"}, "driver_root"),
+    ({"cdi_spec": "/etc/cdi/nvidia.conf"}, "cdi_spec"),
+    ({"arch": "riscv64"}, "arch"),
+    ({"nvidia_ctk": "bin/nvidia-ctk"}, "nvidia_ctk"),
+])
+def test_bad_keys_name_the_key(data: dict[str, object], key: str) -> None:
+    with pytest.raises(Failure) as e:
+        parse_config(data, Path("/c.yaml"))
+    assert e.value.code == EXIT_USAGE
+    assert f"'{key}'" in e.value.message
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("driver_root: [unclosed\n", "is not valid YAML at line"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("bogus_key: 1\n", "'bogus_key' is unknown"),
+])
+def test_cli_exits_2_with_one_line(tmp_path: Path, cli: Cli, text: str, expect: str) -> None:
+    (tmp_path / "etc/unbounded").mkdir(parents=True)
+    (tmp_path / "etc/unbounded/nvidia-setup.yaml").write_text(text)
+    for command in ("run", "check", "status", "clean"):
+        out = cli(tmp_path, command)
+        assert out.code == 2, out
+        assert len(out.lines) == 1 and expect in out.lines[0], out.lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]  # nothing changed
+
+
+def test_explicit_missing_config_is_a_usage_error(tmp_path: Path, cli: Cli) -> None:
+    out = cli(tmp_path, "--config", str(tmp_path / "nope.yaml"), "check")
+    assert out.code == 2 and "does not exist" in out.stderr
+
+
+def test_unknown_command_is_a_usage_error(tmp_path: Path, cli: Cli) -> None:
+    assert cli(tmp_path, "frobnicate").code == 2
+
+
+def test_version(cli: Cli) -> None:
+    out = cli(None, "--version")
+    assert out.code == 0 and out.stdout.startswith("unbounded-nvidia-setup ")

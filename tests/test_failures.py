@@ -1,0 +1,222 @@
+"""Bad input and broken tools: one clear line, the right exit code, nothing live changed."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import simgpu
+from conftest import Cli, needs_root
+from test_run import root_of, snapshot, spec_of
+
+pytestmark = needs_root
+
+
+@pytest.fixture
+def m(tmp_path: Path) -> simgpu.SimMachine:
+    machine = simgpu.make_machine(tmp_path / "root")
+    machine.write_config(staging_wait_seconds=0, nvidia_ctk_timeout_seconds=5,
+                         lock_timeout_seconds=1)
+    return machine
+
+
+@pytest.fixture
+def live(m: simgpu.SimMachine, cli: Cli) -> simgpu.SimMachine:
+    """A machine after one good run: the state that failures must leave alone."""
+    assert cli(m.root, "run").code == 0
+    return m
+
+
+def fails_cleanly(cli: Cli, m: simgpu.SimMachine, code: int, expect: str,
+                  env: dict[str, str] | None = None) -> str:
+    before = snapshot(m)
+    out = cli(m.root, "run", env=env)
+    assert out.code == code, out.stderr
+    assert len(out.errors) == 1, out.lines
+    assert expect in out.errors[0], out.errors[0]
+    assert "; " in out.errors[0]  # what is wrong; what to do
+    assert snapshot(m) == before
+    assert not list(root_of(m).parent.glob(".driver.*"))
+    if spec_of(m).parent.exists():
+        assert [p.name for p in spec_of(m).parent.iterdir()] in ([], ["nvidia.yaml"])
+    return out.errors[0]
+
+
+def new_driver(m: simgpu.SimMachine, tmp_path: Path, version: str = "570.133.20") -> None:
+    """Replace the staging with a newer driver, so a run has to swap."""
+    new = simgpu.make_machine(tmp_path / "newdrv", version=version, stale_versions=())
+    shutil.rmtree(m.root / "run/host-nvidia")
+    shutil.copytree(new.root / "run/host-nvidia", m.root / "run/host-nvidia", symlinks=True)
+    shutil.copy(new.root / "proc/driver/nvidia/version", m.root / "proc/driver/nvidia/version")
+
+
+def test_staging_absent_waits_then_exits_75(m: simgpu.SimMachine, cli: Cli) -> None:
+    shutil.rmtree(m.root / "run/host-nvidia")
+    m.write_config(staging_wait_seconds=1.5)
+    start = time.monotonic()
+    fails_cleanly(cli, m, 75, "driver staging is not ready after 1.5 s")
+    assert time.monotonic() - start >= 1.5
+
+
+def test_empty_staging_dir_waits_then_exits_75(m: simgpu.SimMachine, cli: Cli) -> None:
+    (m.root / "run/host-nvidia/9").mkdir()
+    error = fails_cleanly(cli, m, 75, "empty")
+    assert "host-nvidia/9" in error
+
+
+def test_staging_that_appears_while_waiting_is_used(m: simgpu.SimMachine, tmp_path: Path) -> None:
+    staging = m.root / "run/host-nvidia"
+    aside = tmp_path / "aside"
+    shutil.move(staging, aside)
+    m.write_config(staging_wait_seconds=30)
+    proc = subprocess.Popen([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
+                             str(m.root), "run"], stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    shutil.move(aside, staging)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Waiting for driver staging" in err
+    assert (root_of(m) / f"lib/x86_64-linux-gnu/libcuda.so.{m.version}").is_file()
+
+
+def test_staging_path_that_is_a_file(live: simgpu.SimMachine, cli: Cli) -> None:
+    (live.root / "run/host-nvidia/5").write_text("oops")
+    fails_cleanly(cli, live, 1, "run/host-nvidia/5 is not a directory")
+
+
+def test_staging_path_that_is_a_symlink(live: simgpu.SimMachine, cli: Cli) -> None:
+    os.symlink("/usr/lib", live.root / "run/host-nvidia/5")
+    fails_cleanly(cli, live, 1, "is a symlink, not a directory")
+
+
+def test_corrupt_elf_named_like_a_driver_library(live: simgpu.SimMachine, cli: Cli,
+                                                 tmp_path: Path) -> None:
+    simgpu.truncated_elf(live.staging[0] / f"libnvidia-glcore.so.{live.version}")
+    fails_cleanly(cli, live, 1, "damaged ELF file")
+
+
+def test_missing_nvml_is_incomplete_driver_state(live: simgpu.SimMachine, cli: Cli) -> None:
+    for p in live.staging[0].glob("libnvidia-ml.so*"):
+        p.unlink()
+    fails_cleanly(cli, live, 1, f"incomplete driver state: libnvidia-ml.so.{live.version}")
+
+
+def test_only_foreign_architecture_libraries(tmp_path: Path, cli: Cli) -> None:
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    for lib in m.staging[0].glob("lib*.so.*"):
+        if not lib.is_symlink():
+            soname = lib.name
+            simgpu.aarch64_so(lib, soname)
+    fails_cleanly(cli, m, 1, "incomplete driver state")
+
+
+def test_two_versions_and_no_module_version(live: simgpu.SimMachine, cli: Cli) -> None:
+    (live.root / "proc/driver/nvidia/version").unlink()
+    (live.staging[0] / "libcuda.so.1").unlink()
+    error = fails_cleanly(cli, live, 1, "cannot tell the driver version")
+    assert live.version in error and live.stale_versions[0] in error
+
+
+def test_version_from_libcuda_link_when_module_unreadable(live: simgpu.SimMachine,
+                                                          cli: Cli) -> None:
+    (live.root / "proc/driver/nvidia/version").unlink()
+    out = cli(live.root, "run")
+    assert out.code == 0 and "not rebuilt" in out.stderr
+
+
+@pytest.mark.parametrize("setting,expect", [
+    ({"nvidia_ctk": "/nonexistent/nvidia-ctk"}, "/nonexistent/nvidia-ctk not found"),
+    ({"nvidia_ctk": "no-such-nvidia-ctk"}, "no-such-nvidia-ctk not found on PATH"),
+    ({"ldconfig": "/nonexistent/ldconfig"}, "/nonexistent/ldconfig not found"),
+])
+def test_missing_programs_are_found_missing_before_anything_changes(
+        live: simgpu.SimMachine, cli: Cli, tmp_path: Path, setting: dict[str, str],
+        expect: str) -> None:
+    new_driver(live, tmp_path)
+    live.write_config(**setting)
+    fails_cleanly(cli, live, 1, expect)
+
+
+@pytest.mark.parametrize("knob,value,expect", [
+    ("FAKE_NVIDIA_CTK_SIGNAL", "KILL", "killed by SIGKILL"),
+    ("FAKE_NVIDIA_CTK_SIGNAL", "SEGV", "killed by SIGSEGV"),
+    ("FAKE_NVIDIA_CTK_HANG", "1", "did not finish within 5 s"),
+    ("FAKE_NVIDIA_CTK_CORRUPT", "garbage", "not valid YAML"),
+    ("FAKE_NVIDIA_CTK_CORRUPT", "nokind", "expected 'nvidia.com/gpu'"),
+    ("FAKE_NVIDIA_CTK_CORRUPT", "nodevices", "lists no devices"),
+    ("FAKE_NVIDIA_CTK_CORRUPT", "staging", "from the staging mounts"),
+])
+def test_broken_nvidia_ctk_keeps_the_previous_root_and_spec(
+        live: simgpu.SimMachine, cli: Cli, tmp_path: Path, knob: str, value: str,
+        expect: str) -> None:
+    new_driver(live, tmp_path)
+    fails_cleanly(cli, live, 1, expect, env={knob: value})
+    # The old generation is live again, consistent with the old spec.
+    assert (root_of(live) / f"lib/x86_64-linux-gnu/libcuda.so.{live.version}").is_file()
+    assert cli(live.root, "run").code == 0
+
+
+def test_failing_nvidia_ctk_on_first_boot_leaves_nothing(m: simgpu.SimMachine,
+                                                         cli: Cli) -> None:
+    (m.root / "dev/nvidia-uvm").unlink()
+    m.write_config(nvidia_ctk_args=["--mode=bogus"])
+    fails_cleanly(cli, m, 1, "nvidia-ctk cdi generate failed")
+    assert not os.path.lexists(root_of(m))
+
+
+def test_lock_held_by_a_stuck_process_gives_75(live: simgpu.SimMachine, cli: Cli) -> None:
+    lock = live.root / "run/lock/unbounded-nvidia-setup.lock"
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        start = time.monotonic()
+        fails_cleanly(cli, live, 75, "holds")
+        assert time.monotonic() - start >= 1
+        assert cli(live.root, "check").code == 75
+
+
+def mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+
+
+@pytest.fixture
+def mounts() -> list[Path]:
+    done: list[Path] = []
+    yield done  # type: ignore[misc]
+    for path in reversed(done):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_driver_root_filesystem(m: simgpu.SimMachine, cli: Cli,
+                                     mounts: list[Path]) -> None:
+    simgpu.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{m.version}",
+                      "libnvidia-gpucomp.so", size=3 << 20)
+    mount_tmpfs(m.root / "run/nvidia", "size=1m")
+    mounts.append(m.root / "run/nvidia")
+    error = fails_cleanly(cli, m, 1, "no space left")
+    assert str(m.root / "run/nvidia") in error
+    assert os.listdir(m.root / "run/nvidia") == []
+
+
+def test_read_only_driver_root_filesystem(m: simgpu.SimMachine, cli: Cli,
+                                          mounts: list[Path]) -> None:
+    mount_tmpfs(m.root / "run/nvidia", "ro,size=1m")
+    mounts.append(m.root / "run/nvidia")
+    fails_cleanly(cli, m, 1, "is read-only")
+
+
+def test_read_only_cdi_dir_keeps_the_previous_state(live: simgpu.SimMachine, cli: Cli,
+                                                   tmp_path: Path, mounts: list[Path]) -> None:
+    new_driver(live, tmp_path)
+    cdi = live.root / "etc/cdi"
+    subprocess.run(["mount", "--bind", str(cdi), str(cdi)], check=True)
+    mounts.append(cdi)
+    subprocess.run(["mount", "-o", "remount,bind,ro", str(cdi)], check=True)
+    fails_cleanly(cli, live, 1, "cannot install the CDI spec")

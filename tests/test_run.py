@@ -1,0 +1,406 @@
+"""`run`, `check`, `status`, `clean` end to end: the real CLI, real ELF files, real
+ldconfig, the nvidia-ctk stand-in, on simulated machines under --root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import simgpu
+from conftest import FAKE_CTK, Cli, needs_root
+
+from unbounded_nvidia_setup.tree import manifest
+
+pytestmark = needs_root
+MA = "x86_64-linux-gnu"
+
+
+@pytest.fixture
+def m(tmp_path: Path) -> simgpu.SimMachine:
+    machine = simgpu.make_machine(tmp_path / "root")
+    machine.write_config()
+    return machine
+
+
+def root_of(m: simgpu.SimMachine) -> Path:
+    return m.root / "run/nvidia/driver"
+
+
+def spec_of(m: simgpu.SimMachine) -> Path:
+    return m.root / "etc/cdi/nvidia.yaml"
+
+
+def snapshot(m: simgpu.SimMachine) -> tuple[object, ...]:
+    spec = spec_of(m)
+    dropin = m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
+    return (manifest(root_of(m)), spec.read_bytes() if spec.exists() else None,
+            dropin.read_bytes() if dropin.exists() else None)
+
+
+def check_json(cli: Cli, m: simgpu.SimMachine) -> dict[str, object]:
+    out = cli(m.root, "check", "--json")
+    report: dict[str, object] = json.loads(out.stdout)
+    assert out.code == (0 if report["ok"] else 1)
+    return report
+
+
+def codes(report: dict[str, object]) -> set[str]:
+    problems = report["problems"]
+    assert isinstance(problems, list)
+    return {p["code"] for p in problems}
+
+
+def load_spec(m: simgpu.SimMachine) -> dict[str, object]:
+    import yaml
+
+    doc: dict[str, object] = yaml.safe_load(spec_of(m).read_text())
+    return doc
+
+
+def mounts(doc: dict[str, object]) -> list[str]:
+    edits = doc["containerEdits"]
+    assert isinstance(edits, dict)
+    return [mount["hostPath"] for mount in edits.get("mounts", [])]
+
+
+def assert_secure_root(root: Path) -> None:
+    """Every file root-owned 0644/0755, no set-id bits, every link relative and inside."""
+    real = os.path.realpath(root)
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            assert (st.st_uid, st.st_gid) == (0, 0), path
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                assert not target.startswith("/"), path
+                assert os.path.realpath(path).startswith(real + "/"), path
+                assert os.path.exists(path), path
+            else:
+                assert stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode), path
+                assert stat.S_IMODE(st.st_mode) in (0o644, 0o755), path
+
+
+def test_first_run_builds_a_self_contained_root_and_spec(m: simgpu.SimMachine, cli: Cli) -> None:
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    root = root_of(m)
+    lib = root / "lib" / MA
+    assert sorted(p.name for p in lib.iterdir() if not p.is_symlink() and p.is_file()) == sorted(
+        n for n in m.expected_libs if "/" not in n)
+    for name, soname in m.expected_libs.items():
+        path = lib / name
+        assert path.is_file() and not path.is_symlink(), name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        if soname and soname != os.path.basename(name):
+            link = path.parent / soname
+            assert os.readlink(link) == os.path.basename(name)
+    assert os.readlink(lib / "libcuda.so") == "libcuda.so.1"
+    assert os.readlink(lib / "libnvidia-ml.so") == "libnvidia-ml.so.1"
+    for helper in m.helpers:
+        assert stat.S_IMODE((root / "usr/bin" / helper).stat().st_mode) == 0o755
+    for fw in m.firmware:
+        assert (root / "lib/firmware" / fw).is_file()
+    assert_secure_root(root)
+    assert not list(root.parent.glob(".driver.*"))
+
+    doc = load_spec(m)
+    assert doc["kind"] == "nvidia.com/gpu"
+    host_paths = mounts(doc)
+    assert str(lib / f"libcuda.so.{m.version}") in host_paths
+    assert str(lib / f"libnvidia-ml.so.{m.version}") in host_paths
+    assert not [p for p in host_paths if "/run/host-nvidia" in p]
+    assert stat.S_IMODE(spec_of(m).stat().st_mode) == 0o644
+    assert not [p for p in spec_of(m).parent.iterdir() if p.name != "nvidia.yaml"]
+
+    dropin = m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
+    assert f"/run/nvidia/driver/lib/{MA}\n" in dropin.read_text()
+    cache = subprocess.run(["ldconfig", "-p", "-C", str(m.root / "etc/ld.so.cache")],
+                           capture_output=True, text=True, check=True).stdout
+    assert f"libcuda.so.1 (libc6,x86-64) => /run/nvidia/driver/lib/{MA}/libcuda.so.1" in cache
+
+    report = check_json(cli, m)
+    assert report["ok"] is True and report["gpu"] is True
+    assert report["driver_version"] == m.version
+    assert {"driver_root", "cdi_spec"} <= set(report)
+
+
+def test_log_lines_carry_priority_prefixes(m: simgpu.SimMachine, cli: Cli) -> None:
+    out = cli(m.root, "run")
+    assert out.lines and all(line[:3] in ("<6>", "<5>", "<4>") for line in out.lines)
+
+
+def test_stale_driver_and_unrelated_files_stay_out(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    root = root_of(m)
+    files = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+             and not p.is_symlink()}
+    assert files == ({f"lib/{MA}/{n}" for n in m.expected_libs}
+                     | {f"usr/bin/{h}" for h in m.helpers}
+                     | {f"lib/firmware/{f}" for f in m.firmware})
+    names = {p.name for p in root.rglob("*")}
+    for stale in m.stale_versions:
+        assert not [n for n in names if stale in n]
+    assert not names & set(m.unrelated)
+
+
+def test_root_keeps_libcuda_and_nvml_when_staging_is_hidden(m: simgpu.SimMachine,
+                                                            cli: Cli, tmp_path: Path) -> None:
+    """The device plugin's view: only the driver root, no staging mounts."""
+    assert cli(m.root, "run").code == 0
+    hidden = tmp_path / "hidden"
+    shutil.move(m.root / "run/host-nvidia", hidden)
+    out_dir = tmp_path / "plugin"
+    out_dir.mkdir()
+    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
+                           f"--dev-root={m.root}", "--mode=management",
+                           f"--output={out_dir}/spec.json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out_dir / "spec.json").read_text())
+    names = {os.path.basename(mt["hostPath"]) for mt in spec["containerEdits"]["mounts"]}
+    assert {f"libcuda.so.{m.version}", f"libnvidia-ml.so.{m.version}", "nvidia-smi"} <= names
+    report = check_json(cli, m)
+    assert "staging-missing" in codes(report)
+    assert not [c for c in codes(report) if c.startswith(("root-", "spec-"))]
+
+
+def test_old_style_root_of_absolute_links_is_detected_and_replaced(
+        m: simgpu.SimMachine, cli: Cli) -> None:
+    """The incident: a root of absolute links into /run/host-nvidia/0."""
+    lib = root_of(m) / "lib" / MA
+    lib.mkdir(parents=True)
+    staging = m.staging[0]
+    for name in (f"libcuda.so.{m.version}", f"libnvidia-ml.so.{m.version}"):
+        os.symlink(staging / name, lib / name)
+    report = check_json(cli, m)
+    assert {"root-absolute-link", "root-library-not-regular", "spec-missing"} <= codes(report)
+    assert cli(m.root, "run").code == 0
+    assert check_json(cli, m)["ok"] is True
+    assert_secure_root(root_of(m))
+
+
+def test_second_run_changes_nothing(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    before = snapshot(m)
+    ino = os.stat(root_of(m)).st_ino
+    spec_ino = os.stat(spec_of(m)).st_ino
+    out = cli(m.root, "run")
+    assert out.code == 0
+    assert "not rebuilt" in out.stderr
+    assert os.stat(root_of(m)).st_ino == ino
+    assert os.stat(spec_of(m)).st_ino == spec_ino
+    assert snapshot(m) == before
+
+
+def test_new_driver_version_swaps_in_a_new_generation(m: simgpu.SimMachine, cli: Cli,
+                                                      tmp_path: Path) -> None:
+    assert cli(m.root, "run").code == 0
+    ino = os.stat(root_of(m)).st_ino
+    new = simgpu.make_machine(tmp_path / "new", version="570.133.20",
+                              stale_versions=(m.version,))
+    shutil.rmtree(m.root / "run/host-nvidia")
+    shutil.copytree(new.root / "run/host-nvidia", m.root / "run/host-nvidia", symlinks=True)
+    shutil.copy(new.root / "proc/driver/nvidia/version", m.root / "proc/driver/nvidia/version")
+    assert cli(m.root, "run").code == 0
+    assert os.stat(root_of(m)).st_ino != ino
+    assert (root_of(m) / "lib" / MA / "libcuda.so.570.133.20").is_file()
+    assert not (root_of(m) / "lib" / MA / f"libcuda.so.{m.version}").exists()
+    assert not list(root_of(m).parent.glob(".driver.*"))
+    report = check_json(cli, m)
+    assert report["ok"] is True and report["driver_version"] == "570.133.20"
+
+
+@pytest.mark.parametrize("tamper,code", [
+    ("delete-lib", "root-out-of-date"),
+    ("chmod", "root-bad-mode"),
+    ("setuid", "root-bad-mode"),
+    ("foreign", "root-foreign-file"),
+    ("absolute-link", "root-absolute-link"),
+    ("escaping-link", "root-escaping-link"),
+    ("truncate", "root-out-of-date"),
+    ("spec-deleted", "spec-missing"),
+    ("spec-garbage", "spec-invalid"),
+    ("dropin-deleted", "ldconf-missing"),
+    ("legacy-link", "legacy-link"),
+])
+def test_tampering_is_detected_and_repaired(m: simgpu.SimMachine, cli: Cli, tamper: str,
+                                            code: str) -> None:
+    assert cli(m.root, "run").code == 0
+    lib = root_of(m) / "lib" / MA
+    cuda = lib / f"libcuda.so.{m.version}"
+    if tamper == "delete-lib":
+        (lib / f"libnvidia-ptxjitcompiler.so.{m.version}").unlink()
+    elif tamper == "chmod":
+        cuda.chmod(0o666)
+    elif tamper == "setuid":
+        cuda.chmod(0o4755)
+    elif tamper == "foreign":
+        (root_of(m) / "usr/bin/sh").write_text("#!/bin/sh\n")
+    elif tamper == "absolute-link":
+        (lib / "libcuda.so.1").unlink()
+        os.symlink(m.staging[0] / f"libcuda.so.{m.version}", lib / "libcuda.so.1")
+    elif tamper == "escaping-link":
+        os.symlink("../../../../../etc/passwd", lib / "libnvidia-x.so.1")
+    elif tamper == "truncate":
+        os.truncate(cuda, 10)
+    elif tamper == "spec-deleted":
+        spec_of(m).unlink()
+    elif tamper == "spec-garbage":
+        spec_of(m).write_text("{{{ not yaml")
+    elif tamper == "dropin-deleted":
+        (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf").unlink()
+    elif tamper == "legacy-link":
+        (m.root / "usr/lib" / MA).mkdir(parents=True, exist_ok=True)
+        os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}",
+                   m.root / "usr/lib" / MA / "libcuda.so.1")
+    report = check_json(cli, m)
+    assert report["ok"] is False and code in codes(report), report["problems"]
+    text = cli(m.root, "check")
+    assert text.code == 1 and code in text.stdout
+    assert cli(m.root, "run").code == 0
+    assert check_json(cli, m)["ok"] is True
+    assert not (m.root / "usr/lib" / MA / "libcuda.so.1").exists()
+
+
+def test_device_plugin_spec_missing_libcuda_is_reported(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    plugin = m.root / "var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
+    plugin.parent.mkdir(parents=True)
+    good = {"cdiVersion": "0.5.0", "kind": "k8s.device-plugin.nvidia.com/gpu",
+            "devices": [{"name": "0", "containerEdits": {"deviceNodes": [
+                {"path": "/dev/nvidia0", "hostPath": "/dev/nvidia0"}]}}],
+            "containerEdits": {"mounts": [
+                {"hostPath": f"/run/nvidia/driver/lib/{MA}/{n}.so.{m.version}",
+                 "containerPath": f"/lib/{MA}/{n}.so.{m.version}"}
+                for n in ("libcuda", "libnvidia-ml")]}}
+    plugin.write_text(json.dumps(good))
+    report = check_json(cli, m)
+    assert report["ok"] is True and "device_plugin_spec" in report
+    # The incident's spec: no libcuda or NVML, and a mount of a file that is not there
+    # ("failed to fulfil mount request ... no such file or directory").
+    bad = json.loads(json.dumps(good))
+    bad["containerEdits"]["mounts"] = [
+        {"hostPath": f"/run/nvidia/driver/lib/{MA}/libEGL_nvidia.so.535.183.01",
+         "containerPath": f"/lib/{MA}/libEGL_nvidia.so.535.183.01"}]
+    plugin.write_text(json.dumps(bad))
+    report = check_json(cli, m)
+    assert {"plugin-spec-missing-library", "plugin-spec-missing-host-path"} <= codes(report)
+
+
+def test_status_summarizes(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    out = cli(m.root, "status")
+    assert out.code == 0
+    assert f"Driver version: {m.version}" in out.stdout and "Problems:       none" in out.stdout
+    shutil.rmtree(root_of(m))
+    out = cli(m.root, "status")
+    assert out.code == 0 and "root-missing" in out.stdout
+
+
+def test_clean_removes_what_the_tool_made(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    assert cli(m.root, "clean").code == 0
+    assert not os.path.lexists(root_of(m)) and not spec_of(m).exists()
+    assert not (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf").exists()
+    assert cli(m.root, "clean").code == 0
+
+
+def test_no_gpu_removes_stale_state_and_succeeds(m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    for node in (m.root / "dev").glob("nvidia*"):
+        node.unlink()
+    report = check_json(cli, m)
+    assert report["gpu"] is False and codes(report) == {"stale-state"}
+    out = cli(m.root, "run")
+    assert out.code == 0 and "No NVIDIA GPU" in out.stderr
+    assert not os.path.lexists(root_of(m)) and not spec_of(m).exists()
+    assert check_json(cli, m)["ok"] is True
+
+
+def test_no_gpu_from_the_start_is_a_no_op(tmp_path: Path, cli: Cli) -> None:
+    machine = simgpu.make_machine(tmp_path / "root", gpu=False)
+    machine.write_config()
+    assert cli(machine.root, "run").code == 0
+    assert not (machine.root / "run/nvidia").exists()
+    assert not (machine.root / "etc/cdi").exists()
+
+
+def test_fake_device_files_that_are_not_char_devices_mean_no_gpu(tmp_path: Path,
+                                                                 cli: Cli) -> None:
+    machine = simgpu.make_machine(tmp_path / "root", gpu=False)
+    machine.write_config()
+    (machine.root / "dev/nvidia0").write_text("")
+    assert cli(machine.root, "run").code == 0
+    assert not (machine.root / "run/nvidia").exists()
+
+
+def test_legacy_links_into_staging_are_removed(m: simgpu.SimMachine, cli: Cli) -> None:
+    usr = m.root / "usr/lib" / MA
+    usr.mkdir(parents=True, exist_ok=True)
+    os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}", usr / "libcuda.so.1")
+    os.symlink("libc.so.6", usr / "libc-keep.so")
+    assert cli(m.root, "run").code == 0
+    assert not os.path.lexists(usr / "libcuda.so.1")
+    assert os.path.lexists(usr / "libc-keep.so")
+
+
+def test_refuses_to_swap_under_running_containerd(m: simgpu.SimMachine, cli: Cli) -> None:
+    proc = m.root / "proc/4242"
+    proc.mkdir(parents=True)
+    (proc / "comm").write_text("containerd\n")
+    out = cli(m.root, "run")
+    assert out.code == 1 and len(out.errors) == 1
+    assert "systemctl restart unbounded-nvidia-setup" in out.errors[0]
+    assert not os.path.lexists(root_of(m))
+    assert cli(m.root, "run", "--force").code == 0
+    # Nothing to swap: no refusal.
+    assert cli(m.root, "run").code == 0
+
+
+def test_hook_flags_follow_the_nvidia_ctk_version(m: simgpu.SimMachine, cli: Cli,
+                                                  tmp_path: Path) -> None:
+    log_file = tmp_path / "ctk.log"
+    m.write_config(nvidia_ctk_args=["--mode=management", "--device-name-strategy=uuid"])
+    env = {"FAKE_NVIDIA_CTK_LOG": str(log_file)}
+    assert cli(m.root, "run", env=env).code == 0
+    calls = [json.loads(line) for line in log_file.read_text().splitlines()]
+    generate = [c for c in calls if "generate" in c][-1]
+    assert f"--driver-root={root_of(m)}" in generate
+    assert f"--dev-root={m.root}" in generate
+    assert "--format=yaml" in generate
+    assert generate[-2:] == ["--mode=management", "--device-name-strategy=uuid"]
+    assert "--disable-hook" in generate
+    spec_of(m).unlink()
+    log_file.unlink()
+    env["FAKE_NVIDIA_CTK_VERSION"] = "1.17.8"
+    assert cli(m.root, "run", env=env).code == 0
+    calls = [json.loads(line) for line in log_file.read_text().splitlines()]
+    generate = [c for c in calls if "generate" in c][-1]
+    assert "--disable-hook" not in generate and "--enable-hook" not in generate
+
+
+def test_status_reaches_systemd(m: simgpu.SimMachine, tmp_path: Path) -> None:
+    import sys
+
+    sock_path = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.1)
+    env = {**os.environ, "NOTIFY_SOCKET": str(sock_path)}
+    proc = subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
+                           str(m.root), "run"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    messages = []
+    try:
+        while True:
+            messages.append(sock.recv(4096).decode())
+    except TimeoutError:
+        pass
+    sock.close()
+    assert any(msg.startswith("STATUS=Ready: driver") for msg in messages), messages
