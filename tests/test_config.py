@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Cli
 
 from unbounded_nvidia_setup.config import Config, load_config, parse_config
 from unbounded_nvidia_setup.log import EXIT_USAGE, Failure
+
+from conftest import Cli
 
 
 def test_defaults_match_the_design() -> None:

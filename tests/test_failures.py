@@ -8,9 +8,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 import simgpu
 from conftest import Cli, needs_root
 from test_run import root_of, snapshot, spec_of
@@ -187,9 +189,9 @@ def mount_tmpfs(path: Path, options: str) -> None:
 
 
 @pytest.fixture
-def mounts() -> list[Path]:
+def mounts() -> Iterator[list[Path]]:
     done: list[Path] = []
-    yield done  # type: ignore[misc]
+    yield done
     for path in reversed(done):
         subprocess.run(["umount", "-l", str(path)], check=False)
 

@@ -12,10 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import simgpu
-from conftest import FAKE_CTK, Cli, needs_root
 
 from unbounded_nvidia_setup.tree import manifest
+
+import simgpu
+from conftest import FAKE_CTK, Cli, needs_root
 
 pytestmark = needs_root
 MA = "x86_64-linux-gnu"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from .ldconf import write_atomically
 from .log import die
 from .run import find_program, run
 from .spec import KIND, spec_problems
+from .tree import remove_tree
 
 # Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
 # content we do not own. The flags exist from nvidia-ctk 1.18.
@@ -51,8 +51,16 @@ def generate(machine: Machine, ctk: Ctk, driver_version: str, helpers: tuple[str
     """A validated spec for the live driver root. Generated outside /etc/cdi: nvidia-ctk
     appends `.yaml` to other names, and containerd must never see a half-written spec."""
     timeout = machine.config.nvidia_ctk_timeout_seconds
-    with tempfile.TemporaryDirectory(prefix="unbounded-nvidia-setup.") as tmp:
-        output = Path(tmp) / "nvidia.yaml"
+    # A fixed work dir under /run (we hold the lock): a run killed mid-way leaves nothing
+    # that the next run does not remove.
+    work = machine.work_dir
+    remove_tree(work)
+    try:
+        work.mkdir(mode=0o700, parents=True)
+    except OSError as e:
+        die(f"cannot create {work}: {e.strerror}", hint="/run must be writable for root")
+    try:
+        output = work / "nvidia.yaml"
         result = run(generate_argv(machine, ctk, output), timeout=timeout)
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
@@ -63,6 +71,8 @@ def generate(machine: Machine, ctk: Ctk, driver_version: str, helpers: tuple[str
         except OSError:
             die(f"nvidia-ctk cdi generate wrote no spec at {output}",
                 hint="check the nvidia_ctk_args in the config")
+    finally:
+        remove_tree(work)
     import yaml
 
     try:

@@ -14,6 +14,7 @@ from .log import EXIT_USAGE, die
 DEFAULT_CONFIG = "/etc/unbounded/nvidia-setup.yaml"
 LOCK_FILE = "/run/lock/unbounded-nvidia-setup.lock"
 LDCONF_DROPIN = "/etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
+WORK_DIR = "/run/unbounded-nvidia-setup"
 PLUGIN_SPEC = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 
@@ -171,6 +172,10 @@ class Machine:
     @property
     def lock_file(self) -> Path:
         return self.at(LOCK_FILE)
+
+    @property
+    def work_dir(self) -> Path:
+        return self.at(WORK_DIR)
 
     @property
     def plugin_spec(self) -> Path:

@@ -23,8 +23,9 @@ LIBRARY_PREFIXES = (
     "libnvidia-", "libcuda", "libnvcuvid", "libnvoptix", "libEGL_nvidia", "libGLX_nvidia",
     "libGLESv1_CM_nvidia", "libGLESv2_nvidia", "libvdpau_nvidia",
 )
-# Toolkit libraries that share the `libnvidia-` prefix but are not part of the driver.
-NOT_DRIVER_PREFIXES = ("libnvidia-container",)
+# Libraries that share a driver prefix but come with the container toolkit or the CUDA
+# toolkit, not with the driver: a host library dir often holds them too.
+NOT_DRIVER_PREFIXES = ("libnvidia-container", "libcudart")
 HELPERS = (
     "nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server", "nvidia-imex", "nvidia-imex-ctl",

@@ -1,0 +1,917 @@
+"""Simulated GPU machines for tests: a directory used as ``--root DIR`` by the product.
+
+Everything that looks like an ELF object here is a REAL one built by gcc (except where
+a function says it is hand-made), so the product's pyelftools code, ``ldconfig -r`` and
+the nvidia-ctk stand-in all see genuine shared objects with genuine DT_SONAMEs.
+
+Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version)::
+
+    run/host-nvidia/0/            host library dir (like the host's /usr/lib/x86_64-linux-gnu)
+        libcuda.so.<ver>          driver libraries (DRIVER_LIBS), real x86_64 .so files
+        libcuda.so.1 -> libcuda.so.<ver>          SONAME links, as the host's ldconfig makes
+        libcuda.so -> libcuda.so.1                a few linker names, as the installer makes
+        vdpau/libvdpau_nvidia.so.<ver>            (+ its SONAME link)
+        libcuda.so.<stale> ...    stale driver sets, no links pointing at them
+        libz.so.1.2.13, libz.so.1 -> ... unrelated real libraries, plus non-library files
+    run/host-nvidia/1/            host bin dir: HELPERS (real executables) + unrelated programs
+    run/host-nvidia/2/            host firmware dir: nvidia/<ver>/gsp_*.bin (+ a stale version)
+    dev/nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools nvidia-modeset   (char devices)
+    proc/driver/nvidia/version    kernel module version, real format
+    etc/ld.so.conf, etc/ld.so.conf.d/, usr/lib/x86_64-linux-gnu/, run/lock/
+
+Compiled objects are cached in ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/elf``
+(default ``~/.cache/...``), keyed by a hash of compiler, C source and flags; writes go
+through a temporary file and ``os.replace`` so concurrent pytest processes are safe.
+
+Command line (used by ``make demo``)::
+
+    python3 tests/simgpu.py DIR [--version V] [--hostile] [--scale S] [--no-gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+MULTIARCH = "x86_64-linux-gnu"
+DEFAULT_VERSION = "550.127.05"
+DEFAULT_STALE = ("535.183.01",)
+SAME_AS_VERSION = "<version>"  # make_machine(module_version=...) default
+EM_386 = 3
+EM_X86_64 = 62
+EM_AARCH64 = 183
+
+_M = 1024 * 1024
+_K = 1024
+
+FAKES_DIR = Path(__file__).resolve().parent / "fakes"
+FAKE_NVIDIA_CTK = FAKES_DIR / "nvidia-ctk"
+
+
+class DriverLib(NamedTuple):
+    """One driver library: file name and SONAME templates (``{ver}`` = driver version)."""
+
+    name: str
+    soname: str | None  # None: no DT_SONAME
+    subdir: str  # '' (the library dir itself) or 'vdpau'
+    size: int  # realistic size in bytes (files are int(size * scale) bytes)
+
+
+# Real file names and SONAMEs of a recent (535/550/570) datacenter driver as installed by
+# NVIDIA's installer or Ubuntu's packages (flat in /usr/lib/x86_64-linux-gnu). Internal
+# libraries (eglcore, glcore, glsi, tls, rtcore, gpucomp, glvkspirv, pkcs11) have
+# SONAME == file name, so ldconfig makes no link for them. libnvidia-api.so.1 is shipped
+# under its SONAME, and egl-wayland/egl-gbm carry their own (non-driver) versions.
+# Sizes: the big ones as given for 550/570; the others close to Debian's 535.309.01 files.
+DRIVER_LIBS: tuple[DriverLib, ...] = (
+    DriverLib("libcuda.so.{ver}", "libcuda.so.1", "", 95 * _M),
+    DriverLib("libcudadebugger.so.{ver}", "libcudadebugger.so.1", "", 10 * _M),
+    DriverLib("libnvidia-ml.so.{ver}", "libnvidia-ml.so.1", "", 2 * _M),
+    DriverLib("libnvidia-ptxjitcompiler.so.{ver}", "libnvidia-ptxjitcompiler.so.1", "", 28 * _M),
+    DriverLib("libnvidia-nvvm.so.{ver}", "libnvidia-nvvm.so.4", "", 86 * _M),
+    DriverLib("libnvidia-cfg.so.{ver}", "libnvidia-cfg.so.1", "", 450 * _K),
+    DriverLib("libnvidia-opencl.so.{ver}", "libnvidia-opencl.so.1", "", 24 * _M),
+    DriverLib("libnvidia-allocator.so.{ver}", "libnvidia-allocator.so.1", "", 340 * _K),
+    DriverLib("libnvidia-gpucomp.so.{ver}", "libnvidia-gpucomp.so.{ver}", "", 72 * _M),
+    DriverLib("libnvidia-rtcore.so.{ver}", "libnvidia-rtcore.so.{ver}", "", 88 * _M),
+    DriverLib("libnvoptix.so.{ver}", "libnvoptix.so.1", "", 68 * _M),
+    DriverLib("libnvcuvid.so.{ver}", "libnvcuvid.so.1", "", 10 * _M),
+    DriverLib("libnvidia-encode.so.{ver}", "libnvidia-encode.so.1", "", 410 * _K),
+    DriverLib("libnvidia-opticalflow.so.{ver}", "libnvidia-opticalflow.so.1", "", 260 * _K),
+    DriverLib("libnvidia-fbc.so.{ver}", "libnvidia-fbc.so.1", "", 320 * _K),
+    DriverLib("libnvidia-eglcore.so.{ver}", "libnvidia-eglcore.so.{ver}", "", 36 * _M),
+    DriverLib("libnvidia-glcore.so.{ver}", "libnvidia-glcore.so.{ver}", "", 36 * _M),
+    DriverLib("libnvidia-glsi.so.{ver}", "libnvidia-glsi.so.{ver}", "", 700 * _K),
+    DriverLib("libnvidia-tls.so.{ver}", "libnvidia-tls.so.{ver}", "", 20 * _K),
+    DriverLib("libnvidia-glvkspirv.so.{ver}", "libnvidia-glvkspirv.so.{ver}", "", 24 * _M),
+    DriverLib("libEGL_nvidia.so.{ver}", "libEGL_nvidia.so.0", "", 1400 * _K),
+    DriverLib("libGLX_nvidia.so.{ver}", "libGLX_nvidia.so.0", "", 1500 * _K),
+    DriverLib("libGLESv2_nvidia.so.{ver}", "libGLESv2_nvidia.so.2", "", 320 * _K),
+    DriverLib("libGLESv1_CM_nvidia.so.{ver}", "libGLESv1_CM_nvidia.so.1", "", 260 * _K),
+    DriverLib("libnvidia-pkcs11.so.{ver}", "libnvidia-pkcs11.so.{ver}", "", 50 * _K),
+    DriverLib(
+        "libnvidia-pkcs11-openssl3.so.{ver}", "libnvidia-pkcs11-openssl3.so.{ver}", "", 50 * _K
+    ),
+    DriverLib("libnvidia-ngx.so.{ver}", "libnvidia-ngx.so.1", "", 4 * _M),
+    DriverLib("libnvidia-api.so.1", "libnvidia-api.so.1", "", 760 * _K),
+    DriverLib("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1", "", 100 * _K),
+    DriverLib("libnvidia-egl-gbm.so.1.1.1", "libnvidia-egl-gbm.so.1", "", 30 * _K),
+    DriverLib("libvdpau_nvidia.so.{ver}", "libvdpau_nvidia.so.1", "vdpau", 980 * _K),
+)
+
+# Linker names the NVIDIA installer adds next to the SONAME links (name -> SONAME).
+HOST_LINKER_NAMES: dict[str, str] = {
+    "libcuda.so": "libcuda.so.1",
+    "libnvidia-ml.so": "libnvidia-ml.so.1",
+    "libnvcuvid.so": "libnvcuvid.so.1",
+    "libnvidia-encode.so": "libnvidia-encode.so.1",
+    "libnvidia-cfg.so": "libnvidia-cfg.so.1",
+    "libnvidia-ptxjitcompiler.so": "libnvidia-ptxjitcompiler.so.1",
+}
+
+# Linker names the built driver root must carry (DESIGN.md, run step 6).
+ROOT_LINKER_NAMES: dict[str, str] = {
+    "libcuda.so": "libcuda.so.1",
+    "libnvidia-ml.so": "libnvidia-ml.so.1",
+}
+
+# What a stale driver version leaves behind. libnvidia-vulkan-producer exists in 535 (with
+# NO DT_SONAME, as in Debian's 535.309.01) and not in 550: a stale file without a current
+# counterpart.
+STALE_LIBS: tuple[DriverLib, ...] = (
+    DriverLib("libcuda.so.{ver}", "libcuda.so.1", "", 29 * _M),
+    DriverLib("libnvidia-ml.so.{ver}", "libnvidia-ml.so.1", "", 2 * _M),
+    DriverLib("libnvidia-ptxjitcompiler.so.{ver}", "libnvidia-ptxjitcompiler.so.1", "", 21 * _M),
+    DriverLib("libnvidia-vulkan-producer.so.{ver}", None, "", 23 * _K),
+    DriverLib("libvdpau_nvidia.so.{ver}", "libvdpau_nvidia.so.1", "vdpau", 950 * _K),
+)
+
+HELPERS: tuple[str, ...] = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+HELPER_SIZES: dict[str, int] = {
+    "nvidia-smi": 900 * _K,
+    "nvidia-debugdump": 300 * _K,
+    "nvidia-persistenced": 220 * _K,
+    "nvidia-cuda-mps-control": 60 * _K,
+    "nvidia-cuda-mps-server": 20 * _K,
+}
+# NVIDIA programs that are not helpers in DESIGN.md, plus ordinary host programs.
+UNRELATED_EXES: tuple[str, ...] = ("nvidia-settings", "nvidia-xconfig", "ls", "kmod")
+
+FIRMWARE: tuple[tuple[str, int], ...] = (("gsp_ga10x.bin", 38 * _M), ("gsp_tu10x.bin", 24 * _M))
+
+# (character device name, major, minor) as the nvidia/nvidia-uvm modules create them.
+DEVICES: tuple[tuple[str, int, int], ...] = (
+    ("nvidia0", 195, 0),
+    ("nvidia1", 195, 1),
+    ("nvidiactl", 195, 255),
+    ("nvidia-uvm", 511, 0),
+    ("nvidia-uvm-tools", 511, 1),
+    ("nvidia-modeset", 195, 254),
+)
+
+# Unrelated host libraries: (file name, SONAME). Some are near misses a prefix match
+# must not take: libEGL/libGLX/libGLdispatch (GLVND), libOpenCL (ICD loader), libvdpau.
+UNRELATED_LIBS: tuple[tuple[str, str], ...] = (
+    ("libz.so.1.2.13", "libz.so.1"),
+    ("libzstd.so.1.5.4", "libzstd.so.1"),
+    ("liblzma.so.5.4.1", "liblzma.so.5"),
+    ("libbz2.so.1.0.4", "libbz2.so.1.0"),
+    ("libssl.so.3", "libssl.so.3"),
+    ("libcrypto.so.3", "libcrypto.so.3"),
+    ("libstdc++.so.6.0.30", "libstdc++.so.6"),
+    ("libffi.so.8.1.2", "libffi.so.8"),
+    ("libsystemd.so.0.35.0", "libsystemd.so.0"),
+    ("libudev.so.1.7.5", "libudev.so.1"),
+    ("libexpat.so.1.8.10", "libexpat.so.1"),
+    ("libgmp.so.10.4.1", "libgmp.so.10"),
+    ("libpcre2-8.so.0.11.2", "libpcre2-8.so.0"),
+    ("libselinux.so.1", "libselinux.so.1"),
+    ("libcap.so.2.66", "libcap.so.2"),
+    ("libseccomp.so.2.5.4", "libseccomp.so.2"),
+    ("libdrm.so.2.4.0", "libdrm.so.2"),
+    ("libX11.so.6.4.0", "libX11.so.6"),
+    ("libxcb.so.1.1.0", "libxcb.so.1"),
+    ("libEGL.so.1.1.0", "libEGL.so.1"),
+    ("libGLX.so.0.0.0", "libGLX.so.0"),
+    ("libGLdispatch.so.0.0.0", "libGLdispatch.so.0"),
+    ("libOpenCL.so.1.0.0", "libOpenCL.so.1"),
+    ("libvdpau.so.1.0.0", "libvdpau.so.1"),
+    ("libgcrypt.so.20.4.1", "libgcrypt.so.20"),
+    ("libgpg-error.so.0.33.1", "libgpg-error.so.0"),
+    ("liblz4.so.1.9.4", "liblz4.so.1"),
+    ("libacl.so.1.1.2301", "libacl.so.1"),
+    ("libattr.so.1.1.2501", "libattr.so.1"),
+    ("libblkid.so.1.1.0", "libblkid.so.1"),
+    ("libmount.so.1.1.0", "libmount.so.1"),
+    ("libuuid.so.1.3.0", "libuuid.so.1"),
+    ("libkmod.so.2.4.0", "libkmod.so.2"),
+    ("libpam.so.0.85.1", "libpam.so.0"),
+    ("libtinfo.so.6.4", "libtinfo.so.6"),
+    ("libncursesw.so.6.4", "libncursesw.so.6"),
+    ("libreadline.so.8.2", "libreadline.so.8"),
+    ("libsqlite3.so.0.8.6", "libsqlite3.so.0"),
+    ("libxml2.so.2.9.14", "libxml2.so.2"),
+    ("libyaml-0.so.2.0.9", "libyaml-0.so.2"),
+)
+
+# Libraries a host with the CUDA toolkit / NVIDIA Container Toolkit installed has in its
+# library dir (only with make_machine(toolkit_libs=True)). Not driver files, but
+# libcudart/libcudart's "libcuda" prefix and libnvidia-container's "libnvidia-" prefix
+# match a naive prefix rule.
+TOOLKIT_LIBS: tuple[tuple[str, str], ...] = (
+    ("libcudart.so.12.2.140", "libcudart.so.12"),
+    ("libcublas.so.12.2.5.6", "libcublas.so.12"),
+    ("libnvidia-container.so.1.17.8", "libnvidia-container.so.1"),
+    ("libnvidia-container-go.so.1.17.8", "libnvidia-container-go.so.1"),
+)
+
+
+# --------------------------------------------------------------------------------------
+# ELF building and caching
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests`` (default ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "unbounded-nvidia-setup-tests"
+
+
+def elf_cache_dir() -> Path:
+    return cache_root() / "elf"
+
+
+_MEMO: dict[str, bytes] = {}
+_PROBES: dict[str, bool] = {}
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def _c_string(text: str) -> str:
+    """A C string literal for arbitrary text (octal escapes for anything unusual)."""
+    out = []
+    for byte in text.encode():
+        ch = chr(byte)
+        if 0x20 <= byte < 0x7F and ch not in '"\\?':
+            out.append(ch)
+        else:
+            out.append(f"\\{byte:03o}")
+    return '"' + "".join(out) + '"'
+
+
+def _so_source(tag: str) -> str:
+    return (
+        "/* unbounded-nvidia-setup test fixture: simulated shared object */\n"
+        '__attribute__((visibility("default"))) const char unb_sim_tag[] = '
+        f"{_c_string(tag)};\n"
+        '__attribute__((visibility("default"))) int unb_sim_answer(void) { return 42; }\n'
+    )
+
+
+def _exe_source(tag: str) -> str:
+    return (
+        "/* unbounded-nvidia-setup test fixture: simulated executable */\n"
+        "#include <stdio.h>\n"
+        f"static const char unb_sim_tag[] = {_c_string(tag)};\n"
+        "int main(void) { puts(unb_sim_tag); return 0; }\n"
+    )
+
+
+def _so_flags(soname: str | None) -> list[str]:
+    flags = ["-shared", "-fPIC", "-O1", "-s"]
+    if soname is not None:
+        flags.append(f"-Wl,-soname,{soname}")
+    return flags
+
+
+def _compiler(cc: str) -> str:
+    path = shutil.which(cc)
+    if path is None:
+        raise CompileError(f"{cc} not found on PATH (apt-get install gcc)")
+    return path
+
+
+def _build(cc: str, source: str, flags: list[str]) -> bytes:
+    """Compile ``source`` with ``flags``; cached on disk and in memory."""
+    cc_path = _compiler(cc)
+    key = hashlib.sha256(json.dumps([cc_path, source, flags]).encode()).hexdigest()[:32]
+    cached = _MEMO.get(key)
+    if cached is not None:
+        return cached
+    cache = elf_cache_dir()
+    target = cache / f"{key}.elf"
+    data = target.read_bytes() if target.exists() else None
+    if data is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=cache) as tmp:
+            src = Path(tmp) / "src.c"
+            src.write_text(source)
+            out = Path(tmp) / "out.elf"
+            proc = subprocess.run(
+                [cc_path, *flags, "-o", str(out), str(src)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise CompileError(f"{cc} {' '.join(flags)} failed: {proc.stderr.strip()}")
+            data = out.read_bytes()
+            # Another process may be doing the same: os.replace makes the last one win
+            # with identical content, and readers only ever see a complete file.
+            os.replace(out, target)
+    _MEMO[key] = data
+    return data
+
+
+def so_bytes(soname: str | None, *, tag: str | None = None) -> bytes:
+    """The bytes of a real x86_64 shared object with DT_SONAME ``soname`` (None: none)."""
+    return _build("gcc", _so_source(tag if tag is not None else f"so:{soname}"), _so_flags(soname))
+
+
+def exe_bytes(tag: str = "simulated program") -> bytes:
+    return _build("gcc", _exe_source(tag), ["-O1", "-s"])
+
+
+def prewarm(sonames: Iterable[str | None], exe_tags: Iterable[str] = ()) -> None:
+    """Compile missing cache entries in parallel (a cold cache holds ~100 objects)."""
+    jobs: list[tuple[str, str, list[str]]] = []
+    seen: set[str] = set()
+    for soname in sonames:
+        key = f"so:{soname}"
+        if key not in seen:
+            seen.add(key)
+            jobs.append(("gcc", _so_source(key), _so_flags(soname)))
+    for tag in exe_tags:
+        if f"exe:{tag}" not in seen:
+            seen.add(f"exe:{tag}")
+            jobs.append(("gcc", _exe_source(tag), ["-O1", "-s"]))
+    workers = max(1, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for fut in [pool.submit(_build, *job) for job in jobs]:
+            fut.result()
+
+
+_PAD_BLOCK_SIZE = 1 << 20
+_pad_block: bytes | None = None
+
+
+def _padding_block() -> bytes:
+    """1 MiB of pseudo-random bytes without a single zero (nothing sparse or trivial)."""
+    global _pad_block
+    if _pad_block is None:
+        raw = random.Random(0x5EED_6B0D).randbytes(_PAD_BLOCK_SIZE)
+        _pad_block = raw.replace(b"\0", b"\xa5")
+    return _pad_block
+
+
+def write_file(out: Path, data: bytes, size: int = 0, mode: int = 0o644) -> None:
+    """Write ``data`` to ``out`` (replacing what is there, never following a link), then
+    pad it to at least ``size`` bytes with non-zero pseudo-random bytes. ELF parsers and
+    ldconfig ignore bytes after the last section, so a padded ELF stays valid."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(out):
+        out.unlink()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        remaining = size - len(data)
+        if remaining > 0:
+            block = _padding_block()
+            start = int.from_bytes(hashlib.sha256(out.name.encode()).digest()[:4]) % len(block)
+            first = block[start : start + remaining]
+            f.write(first)
+            remaining -= len(first)
+            while remaining > 0:
+                chunk = block[:remaining]
+                f.write(chunk)
+                remaining -= len(chunk)
+    os.chmod(out, mode)
+
+
+def compile_so(
+    out: Path, soname: str | None, size: int = 0, *, mode: int = 0o644, tag: str | None = None
+) -> None:
+    """A real x86_64 shared object (``gcc -shared -fPIC -Wl,-soname,<soname>``; no
+    DT_SONAME when ``soname`` is None), at least ``size`` bytes long."""
+    write_file(out, so_bytes(soname, tag=tag), size, mode)
+
+
+def compile_exe(out: Path, size: int = 0, *, tag: str = "simulated program") -> None:
+    """A real x86_64 executable (a tiny C main printing ``tag``), mode 0755."""
+    write_file(out, exe_bytes(tag), size, 0o755)
+
+
+def _probe(name: str, cc: str, flags: list[str]) -> bool:
+    if name not in _PROBES:
+        try:
+            _build(cc, _so_source(f"probe:{name}"), flags)
+            _PROBES[name] = True
+        except CompileError:
+            _PROBES[name] = False
+    return _PROBES[name]
+
+
+def aarch64_so(out: Path, soname: str) -> None:
+    """An aarch64 (EM_AARCH64) 64-bit shared object with DT_SONAME ``soname``.
+
+    Real when ``aarch64-linux-gnu-gcc`` (Debian gcc-aarch64-linux-gnu) is installed.
+    Otherwise HAND-MADE: an x86_64 .so whose ELF header e_machine is patched to
+    EM_AARCH64 (183). Its header, program headers and dynamic section parse like any
+    aarch64 object (which is all a loader-independent tool reads); its code is x86."""
+    flags = [*_so_flags(soname), "-nostdlib"]
+    if shutil.which("aarch64-linux-gnu-gcc") and _probe("aarch64", "aarch64-linux-gnu-gcc", flags):
+        data = _build("aarch64-linux-gnu-gcc", _so_source(f"aarch64:{soname}"), flags)
+    else:
+        patched = bytearray(so_bytes(soname, tag=f"aarch64:{soname}"))
+        struct.pack_into("<H", patched, 18, EM_AARCH64)
+        data = bytes(patched)
+    write_file(out, data)
+
+
+def _handmade_elf32_so(soname: str) -> bytes:
+    """A minimal valid ELF32 ET_DYN object for EM_386: PT_LOAD + PT_DYNAMIC program
+    headers, a dynamic section (DT_STRTAB, DT_STRSZ, DT_SONAME, DT_NULL), its string
+    table and section headers (null, .dynstr, .dynamic, .shstrtab). No code."""
+    ehsize, phsize, shsize = 52, 32, 40
+    dynstr = b"\0" + soname.encode() + b"\0"
+    shstrtab = b"\0.dynstr\0.dynamic\0.shstrtab\0"
+    dyn_off = ehsize + 2 * phsize
+    dyn_size = 8 * 4
+    str_off = dyn_off + dyn_size
+    shstr_off = str_off + len(dynstr)
+    sh_off = (shstr_off + len(shstrtab) + 3) & ~3
+    load_size = shstr_off  # vaddr == file offset: PT_LOAD maps offset 0 at address 0
+    ident = b"\x7fELF" + bytes([1, 1, 1, 0]) + bytes(8)  # ELFCLASS32, LSB, version 1
+    header = ident + struct.pack(
+        "<HHIIIIIHHHHHH", 3, EM_386, 1, 0, ehsize, sh_off, 0, ehsize, phsize, 2, shsize, 4, 3
+    )
+    pt_load = struct.pack("<IIIIIIII", 1, 0, 0, 0, load_size, load_size, 4 | 2, 0x1000)
+    pt_dyn = struct.pack("<IIIIIIII", 2, dyn_off, dyn_off, dyn_off, dyn_size, dyn_size, 6, 4)
+    dyn = struct.pack("<iIiIiIiI", 5, str_off, 10, len(dynstr), 14, 1, 0, 0)
+    body = header + pt_load + pt_dyn + dyn + dynstr + shstrtab
+    body += bytes(sh_off - len(body))
+
+    def shdr(name: int, typ: int, flags: int, off: int, size: int, link: int, ent: int) -> bytes:
+        addr = off if flags else 0
+        return struct.pack("<IIIIIIIIII", name, typ, flags, addr, off, size, link, 0, 1, ent)
+
+    sections = (
+        bytes(shsize)
+        + shdr(1, 3, 2, str_off, len(dynstr), 0, 0)  # .dynstr: SHT_STRTAB, SHF_ALLOC
+        + shdr(9, 6, 3, dyn_off, dyn_size, 1, 8)  # .dynamic: SHT_DYNAMIC, WA, link .dynstr
+        + shdr(18, 3, 0, shstr_off, len(shstrtab), 0, 0)  # .shstrtab
+    )
+    return body + sections
+
+
+def elf32_so(out: Path, soname: str) -> None:
+    """A 32-bit (ELFCLASS32, EM_386) shared object with DT_SONAME ``soname``: real
+    (``gcc -m32 -nostdlib``, which needs no multilib) when the toolchain can, else a
+    hand-made minimal ELF32 ET_DYN object."""
+    flags = [*_so_flags(soname), "-m32", "-nostdlib"]
+    if _probe("m32", "gcc", flags):
+        data = _build("gcc", _so_source(f"elf32:{soname}"), flags)
+    else:
+        data = _handmade_elf32_so(soname)
+    write_file(out, data)
+
+
+def truncated_elf(out: Path) -> None:
+    """The first 100 bytes of a real .so: valid ELF magic and header, unparsable rest."""
+    write_file(out, so_bytes("libnvidia-truncated.so.1")[:100])
+
+
+# --------------------------------------------------------------------------------------
+# The machine
+
+
+@dataclasses.dataclass
+class SimMachine:
+    """A simulated machine under ``root``. ``expected_*`` describe what a correct ``run``
+    builds, assuming the driver version resolves to ``version`` (true unless a test sets
+    ``module_version`` to something else)."""
+
+    root: Path
+    version: str
+    module_version: str | None
+    gpu: bool
+    staging: list[Path]
+    lib_dir: Path
+    bin_dir: Path | None
+    firmware_dir: Path | None
+    # file name in <driver root>/lib/x86_64-linux-gnu/ ("vdpau/..." below it) -> SONAME
+    expected_libs: dict[str, str | None]
+    # symlink name (same dir convention) -> file name it must resolve to
+    expected_links: dict[str, str]
+    # files (and their links) a correct tool MAY include: hostile but valid names
+    optional_libs: dict[str, str | None]
+    optional_links: dict[str, str]
+    helpers: list[str]  # names expected in <driver root>/usr/bin/
+    firmware: list[str]  # paths expected under <driver root>/lib/firmware/
+    stale_versions: tuple[str, ...]
+    stale_files: list[str]  # names in lib_dir (or vdpau/...) belonging to stale drivers
+    hostile: list[str]  # names in lib_dir a correct tool must skip
+    unrelated: list[str]  # unrelated names in lib_dir (libraries, links and other files)
+    devices: list[str]  # names under dev/
+
+    multiarch: str = MULTIARCH
+
+    @property
+    def driver_root(self) -> Path:
+        return self.root / "run" / "nvidia" / "driver"
+
+    @property
+    def driver_lib_dir(self) -> Path:
+        return self.driver_root / "lib" / self.multiarch
+
+    @property
+    def cdi_spec(self) -> Path:
+        return self.root / "etc" / "cdi" / "nvidia.yaml"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "etc" / "unbounded" / "nvidia-setup.yaml"
+
+    def write_config(self, **overrides: object) -> Path:
+        """Write ``<root>/etc/unbounded/nvidia-setup.yaml``. Defaults: ``nvidia_ctk`` =
+        tests/fakes/nvidia-ctk (absolute), ``nvidia_ctk_args: ["--mode=management"]``.
+        A key overridden with None is left out. Values are written as JSON flow
+        scalars/lists, which YAML reads unchanged."""
+        values: dict[str, object] = {
+            "nvidia_ctk": str(FAKE_NVIDIA_CTK),
+            "nvidia_ctk_args": ["--mode=management"],
+        }
+        values.update(overrides)
+        lines = ["# written by tests/simgpu.py"]
+        lines += [f"{key}: {json.dumps(val)}" for key, val in values.items() if val is not None]
+        path = self.config_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+
+class _Plan:
+    """Regular ELF files to write: (path, kind, soname/tag, size, mode)."""
+
+    def __init__(self) -> None:
+        self.sos: list[tuple[Path, str | None, int, int]] = []
+        self.exes: list[tuple[Path, str, int]] = []
+
+    def so(self, path: Path, soname: str | None, size: int, mode: int = 0o644) -> None:
+        self.sos.append((path, soname, size, mode))
+
+    def exe(self, path: Path, tag: str, size: int) -> None:
+        self.exes.append((path, tag, size))
+
+    def run(self) -> None:
+        prewarm((s for _, s, _, _ in self.sos), (t for _, t, _ in self.exes))
+        for path, soname, size, mode in self.sos:
+            compile_so(path, soname, size, mode=mode)
+        for path, tag, size in self.exes:
+            compile_exe(path, size, tag=tag)
+
+
+def _fmt(template: str | None, version: str) -> str | None:
+    return None if template is None else template.format(ver=version)
+
+
+def _scaled(size: int, scale: float) -> int:
+    return int(size * scale)
+
+
+def _rel_link(directory: Path, name: str, target: str) -> None:
+    link = directory / name
+    if os.path.lexists(link):
+        link.unlink()
+    os.symlink(target, link)
+
+
+def _mknod_char(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
+    try:
+        os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
+        os.chmod(path, mode)  # mknod's mode is filtered by the umask
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot mknod {path} (character devices need root / CAP_MKNOD)"
+        ) from exc
+
+
+def _make_socket(directory: Path, name: str) -> None:
+    """A unix socket file; bound through /proc/self/fd/<dirfd>/ so long paths work."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.bind(f"/proc/self/fd/{dfd}/{name}")
+    finally:
+        os.close(dfd)
+
+
+def _add_hostile(
+    lib: Path, ver: str, plan: _Plan
+) -> tuple[list[str], dict[str, str | None], dict[str, str | None]]:
+    """Entries in the library staging dir, all named like current driver libraries.
+
+    Returns (names to skip, valid libs a tool must include, valid libs it may include).
+    None of them may be opened for writing, followed out of the staging dir, or copied
+    as anything but a plain regular file."""
+    skip: list[str] = []
+    expected: dict[str, str | None] = {}
+    optional: dict[str, str | None] = {}
+
+    def name(stem: str) -> str:
+        return f"libnvidia-{stem}.so.{ver}"
+
+    # Absolute symlink out of the staging dir, at a secret.
+    os.symlink("/etc/shadow", lib / name("shadow"))
+    skip.append(name("shadow"))
+    # Relative symlink escaping via ../../.. up to the real / and into /proc.
+    levels = len(lib.resolve().parts)
+    os.symlink("../" * levels + "proc/self/environ", lib / name("escape"))
+    skip.append(name("escape"))
+    # Symlink loop.
+    os.symlink(name("loopb"), lib / name("loopa"))
+    os.symlink(name("loopa"), lib / name("loopb"))
+    skip += [name("loopa"), name("loopb")]
+    # FIFO: opening it for reading blocks forever.
+    os.mkfifo(lib / name("fifo"))
+    skip.append(name("fifo"))
+    # Unix socket.
+    _make_socket(lib, name("socket"))
+    skip.append(name("socket"))
+    # Character device (1,3 = /dev/null: a tool that reads it copies an empty file).
+    _mknod_char(lib / name("chardev"), 1, 3)
+    skip.append(name("chardev"))
+    # Directory with a library name, holding a real library (a tool must not recurse).
+    (lib / name("dir")).mkdir()
+    plan.so(lib / name("dir") / name("indir"), "libnvidia-indir.so.1", 0)
+    skip.append(name("dir"))
+    # Empty file, and a text file (a GNU ld script, as hosts have for libc.so).
+    (lib / name("empty")).write_bytes(b"")
+    (lib / name("text")).write_text("/* GNU ld script */\nINPUT(libnvidia-ml.so.1)\n")
+    skip += [name("empty"), name("text")]
+    # Valid ELF objects of the wrong class / machine.
+    elf32_so(lib / name("elf32"), "libnvidia-elf32.so.1")
+    aarch64_so(lib / name("aarch64"), "libnvidia-aarch64.so.1")
+    skip += [name("elf32"), name("aarch64")]
+    # Awkward but valid names: genuine x86_64 libraries with their own SONAMEs. A tool
+    # may legitimately include them (or refuse such names); tests must accept both.
+    for stem in ("with space", "new\nline"):
+        soname = f"libnvidia-{stem}.so.1"
+        plan.so(lib / name(stem), soname, 0)
+        optional[name(stem)] = soname
+    # setuid + world-writable copy of a real library: valid, must be copied as 0644.
+    plan.so(lib / name("setuid"), "libnvidia-setuid.so.1", 0, mode=0o4777)
+    expected[name("setuid")] = "libnvidia-setuid.so.1"
+    # Absolute symlink back into the staging dir (real path of an existing driver lib).
+    # Absolute targets in a host directory name host paths, which mean nothing inside the
+    # machine; the tool skips it (and must not end up with two files for one SONAME).
+    os.symlink(str((lib / f"libnvidia-cfg.so.{ver}").resolve()), lib / name("absback"))
+    skip.append(name("absback"))
+    return skip, expected, optional
+
+
+def make_machine(
+    root: Path,
+    version: str = DEFAULT_VERSION,
+    *,
+    gpu: bool = True,
+    module_version: str | None = SAME_AS_VERSION,
+    stale_versions: tuple[str, ...] = DEFAULT_STALE,
+    unrelated: int = 40,
+    hostile: bool = False,
+    helpers: bool = True,
+    firmware: bool = True,
+    scale: float = 0.0,
+    libcuda_link: bool = True,
+    toolkit_libs: bool = True,
+) -> SimMachine:
+    """Build a simulated GPU machine under ``root`` (see the module docstring).
+
+    ``module_version`` defaults to ``version``; None means no
+    ``proc/driver/nvidia/version``. ``scale`` multiplies the realistic sizes (0: tiny
+    files, 1.0: a full-size ~0.8 GB driver). ``libcuda_link=False`` leaves out
+    ``libcuda.so.1`` and ``libcuda.so``. ``toolkit_libs`` adds CUDA toolkit / container
+    toolkit libraries (TOOLKIT_LIBS) that are not driver files."""
+    if module_version == SAME_AS_VERSION:
+        module_version = version
+    root = Path(root)
+    if (root / "run" / "host-nvidia").exists():
+        raise FileExistsError(f"{root} already holds a simulated machine")
+    plan = _Plan()
+    host = root / "run" / "host-nvidia"
+    lib = host / "0"
+    (lib / "vdpau").mkdir(parents=True)
+    staging = [lib]
+
+    expected: dict[str, str | None] = {}
+    links: dict[str, str] = {}
+    for entry in DRIVER_LIBS:
+        fname = entry.name.format(ver=version)
+        soname = _fmt(entry.soname, version)
+        sub = f"{entry.subdir}/" if entry.subdir else ""
+        plan.so(lib / sub / fname, soname, _scaled(entry.size, scale))
+        expected[sub + fname] = soname
+        if soname is not None and soname != fname:
+            if libcuda_link or soname != "libcuda.so.1":
+                _rel_link(lib / sub, soname, fname)
+            links[sub + soname] = sub + fname
+    for linker, soname in HOST_LINKER_NAMES.items():
+        if libcuda_link or soname != "libcuda.so.1":
+            _rel_link(lib, linker, soname)
+    for linker, soname in ROOT_LINKER_NAMES.items():
+        links[linker] = links[soname]
+
+    stale_files: list[str] = []
+    for stale in stale_versions:
+        for entry in STALE_LIBS:
+            sub = f"{entry.subdir}/" if entry.subdir else ""
+            fname = entry.name.format(ver=stale)
+            plan.so(lib / sub / fname, _fmt(entry.soname, stale), _scaled(entry.size, scale))
+            stale_files.append(sub + fname)
+
+    unrelated_names: list[str] = []
+    pool = list(UNRELATED_LIBS)
+    pool += [
+        (f"libsimextra{i}.so.0.0.{i}", f"libsimextra{i}.so.0")
+        for i in range(max(0, unrelated - len(pool)))
+    ]
+    extra = list(TOOLKIT_LIBS) if toolkit_libs else []
+    for fname, soname in pool[:unrelated] + extra:
+        plan.so(lib / fname, soname, _scaled(200 * _K, scale))
+        unrelated_names.append(fname)
+        if soname != fname:
+            _rel_link(lib, soname, fname)
+            unrelated_names.append(soname)
+    if unrelated:
+        plan.so(lib / "vdpau" / "libvdpau_va_gl.so.1", "libvdpau_va_gl.so.1", 0)
+        unrelated_names.append("vdpau/libvdpau_va_gl.so.1")
+        (lib / "libz.a").write_bytes(b"!<arch>\n")
+        (lib / "libc.so").write_text(
+            "/* GNU ld script */\nGROUP ( /lib/x86_64-linux-gnu/libc.so.6 )\n"
+        )
+        (lib / "pkgconfig").mkdir()
+        (lib / "pkgconfig" / "zlib.pc").write_text("Name: zlib\nVersion: 1.2.13\n")
+        (lib / "gconv").mkdir()
+        (lib / "gconv" / "gconv-modules").write_text("# simulated\n")
+        unrelated_names += ["libz.a", "libc.so", "pkgconfig", "gconv"]
+
+    hostile_names: list[str] = []
+    optional: dict[str, str | None] = {}
+    optional_links: dict[str, str] = {}
+    if hostile:
+        hostile_names, must, may = _add_hostile(lib, version, plan)
+        expected.update(must)
+        optional.update(may)
+        # The host's ldconfig makes SONAME links for these valid libraries too.
+        for fname, maybe_soname in must.items():
+            if maybe_soname is not None and maybe_soname != fname:
+                _rel_link(lib, maybe_soname, fname)
+                links[maybe_soname] = fname
+        for fname, maybe_soname in may.items():
+            if maybe_soname is not None and maybe_soname != fname:
+                _rel_link(lib, maybe_soname, fname)
+                optional_links[maybe_soname] = fname
+
+    bin_dir: Path | None = None
+    helper_names: list[str] = []
+    if helpers:
+        bin_dir = host / "1"
+        bin_dir.mkdir(parents=True)
+        staging.append(bin_dir)
+        for helper in HELPERS:
+            plan.exe(
+                bin_dir / helper,
+                f"{helper} (simulated {version})",
+                _scaled(HELPER_SIZES[helper], scale),
+            )
+            helper_names.append(helper)
+        for prog in UNRELATED_EXES:
+            plan.exe(bin_dir / prog, f"{prog} (simulated)", 0)
+        script = bin_dir / "nvidia-bug-report.sh"
+        script.write_text("#!/bin/sh\necho simulated\n")
+        script.chmod(0o755)
+
+    fw_dir: Path | None = None
+    fw_names: list[str] = []
+    if firmware:
+        fw_dir = host / "2"
+        staging.append(fw_dir)
+        for ver in (version, *stale_versions[:1]):
+            for fw, size in FIRMWARE:
+                write_file(
+                    fw_dir / "nvidia" / ver / fw,
+                    f"simulated GSP firmware {ver} {fw}\n".encode(),
+                    _scaled(size, scale),
+                )
+                if ver == version:
+                    fw_names.append(f"nvidia/{ver}/{fw}")
+        write_file(fw_dir / "regulatory.db", b"simulated\n")
+        write_file(fw_dir / "intel" / "ibt-20-1-3.sfi", b"simulated\n")
+
+    plan.run()
+
+    devices: list[str] = []
+    dev = root / "dev"
+    dev.mkdir(parents=True, exist_ok=True)
+    if gpu:
+        for dname, major, minor in DEVICES:
+            _mknod_char(dev / dname, major, minor)
+            devices.append(dname)
+
+    if module_version is not None:
+        proc = root / "proc" / "driver" / "nvidia"
+        proc.mkdir(parents=True)
+        (proc / "version").write_text(
+            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {module_version}  "
+            "Tue Oct  8 03:13:40 UTC 2024\n"
+            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14) \n"
+        )
+
+    etc = root / "etc"
+    (etc / "ld.so.conf.d").mkdir(parents=True, exist_ok=True)
+    (etc / "ld.so.conf").write_text("include /etc/ld.so.conf.d/*.conf\n")
+    (root / "usr" / "lib" / MULTIARCH).mkdir(parents=True, exist_ok=True)
+    (root / "run" / "lock").mkdir(parents=True, exist_ok=True)
+
+    return SimMachine(
+        root=root,
+        version=version,
+        module_version=module_version,
+        gpu=gpu,
+        staging=staging,
+        lib_dir=lib,
+        bin_dir=bin_dir,
+        firmware_dir=fw_dir,
+        expected_libs=expected,
+        expected_links=links,
+        optional_libs=optional,
+        optional_links=optional_links,
+        helpers=helper_names,
+        firmware=fw_names,
+        stale_versions=tuple(stale_versions),
+        stale_files=stale_files,
+        hostile=hostile_names,
+        unrelated=unrelated_names,
+        devices=devices,
+    )
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for fname in files:
+            st = os.lstat(os.path.join(dirpath, fname))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build a simulated GPU machine under DIR.")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--version", default=DEFAULT_VERSION)
+    parser.add_argument("--hostile", action="store_true")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=0.0,
+        help="file size factor: 0 tiny (default), 1.0 realistic (~0.8 GB)",
+    )
+    parser.add_argument("--no-gpu", action="store_true", help="no /dev/nvidia* nodes")
+    parser.add_argument(
+        "--no-config", action="store_true", help="do not write etc/unbounded/nvidia-setup.yaml"
+    )
+    args = parser.parse_args(argv)
+    target: Path = args.dir
+    if target.exists() and any(target.iterdir()):
+        print(f"simgpu: {target} is not empty; remove it first", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    machine = make_machine(
+        target, args.version, gpu=not args.no_gpu, hostile=args.hostile, scale=args.scale
+    )
+    if not args.no_config:
+        machine.write_config()
+    elapsed = time.monotonic() - start
+    print(
+        f"simulated machine in {machine.root} ({elapsed:.2f} s, "
+        f"{_tree_size(machine.root) / _M:.1f} MiB)"
+    )
+    print(f"  driver {machine.version}, stale {', '.join(machine.stale_versions) or '-'}")
+    print(f"  staging: {', '.join(str(p) for p in machine.staging)}")
+    print(f"  devices: {', '.join(machine.devices) or '-'}")
+    print(
+        f"  expected libraries: {len(machine.expected_libs)}, helpers: "
+        f"{len(machine.helpers)}, firmware: {len(machine.firmware)}"
+    )
+    if machine.hostile:
+        print(f"  hostile entries: {len(machine.hostile)}")
+    print(f"  try: unbounded-nvidia-setup --root {machine.root} run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

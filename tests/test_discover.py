@@ -1,0 +1,152 @@
+"""Discovery over real files: link resolution inside staging, ELF reading, hostile
+staging entries."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from unbounded_nvidia_setup.discover import resolve_within
+from unbounded_nvidia_setup.elf import CorruptElf, read_elf
+
+import simgpu
+from conftest import Cli, needs_root
+from test_run import assert_secure_root, check_json, root_of
+
+MA = "x86_64-linux-gnu"
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> Path:
+    s = tmp_path / "run/host-nvidia/0"
+    (s / "sub").mkdir(parents=True)
+    (s / "libcuda.so.1.0").write_text("x")
+    (s / "sub/libnvidia-x.so.1").write_text("x")
+    (tmp_path / "outside").write_text("secret")
+    return s
+
+
+@pytest.mark.parametrize("link,target,expect", [
+    ("libcuda.so.1", "libcuda.so.1.0", "libcuda.so.1.0"),
+    ("l-sub", "sub/libnvidia-x.so.1", "sub/libnvidia-x.so.1"),
+    ("l-dotdot-back", "sub/../libcuda.so.1.0", "libcuda.so.1.0"),
+    ("l-abs-back", "/run/host-nvidia/0/libcuda.so.1.0", "libcuda.so.1.0"),
+    ("l-escape", "../../../outside", None),
+    ("l-abs-escape", "/outside", None),
+    ("l-etc", "/etc/shadow", None),
+    ("l-proc", "../../../../../../proc/self/environ", None),
+    ("l-dangling", "nope", None),
+    ("l-self", "l-self", None),
+    ("l-dir", "sub", "sub"),
+    ("l-base", ".", None),
+])
+def test_resolve_within(tmp_path: Path, staging: Path, link: str, target: str,
+                        expect: str | None) -> None:
+    os.symlink(target, staging / link)
+    got = resolve_within(tmp_path, staging, link)
+    assert got == (staging / expect if expect else None)
+
+
+def test_resolve_within_loop_pair(tmp_path: Path, staging: Path) -> None:
+    os.symlink("b", staging / "a")
+    os.symlink("a", staging / "b")
+    assert resolve_within(tmp_path, staging, "a") is None
+
+
+def test_resolve_within_through_a_file(tmp_path: Path, staging: Path) -> None:
+    assert resolve_within(tmp_path, staging, "libcuda.so.1.0/x") is None
+
+
+def test_read_elf_of_real_objects(tmp_path: Path) -> None:
+    simgpu.compile_so(tmp_path / "a.so", "libcuda.so.1")
+    simgpu.compile_so(tmp_path / "nosoname.so", None)
+    simgpu.compile_exe(tmp_path / "exe")
+    simgpu.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
+    simgpu.elf32_so(tmp_path / "32.so", "libcuda.so.1")
+    simgpu.truncated_elf(tmp_path / "trunc.so")
+    (tmp_path / "text").write_text("INPUT(libfoo.so.1)\n")
+    (tmp_path / "empty").write_bytes(b"")
+
+    def read(name: str) -> object:
+        with open(tmp_path / name, "rb") as f:
+            return read_elf(f)
+
+    a = read("a.so")
+    assert (a.bits, a.machine, a.kind, a.soname) == (64, "x86_64", "ET_DYN", "libcuda.so.1")  # type: ignore[attr-defined]
+    assert read("nosoname.so").soname is None  # type: ignore[attr-defined]
+    assert read("exe").kind in ("ET_EXEC", "ET_DYN")  # type: ignore[attr-defined]
+    assert read("arm.so").machine == "aarch64"  # type: ignore[attr-defined]
+    assert read("32.so").bits == 32  # type: ignore[attr-defined]
+    assert read("text") is None and read("empty") is None
+    with pytest.raises(CorruptElf):
+        read("trunc.so")
+
+
+@needs_root
+def test_hostile_staging_gives_a_correct_root(tmp_path: Path, cli: Cli) -> None:
+    m = simgpu.make_machine(tmp_path / "root", hostile=True)
+    m.write_config()
+    out = cli(m.root, "-v", "run")
+    assert out.code == 0, out.stderr
+    root = root_of(m)
+    assert_secure_root(root)
+    lib = root / "lib" / MA
+    present = {str(p.relative_to(lib)) for p in lib.rglob("*")}
+    for name in m.expected_libs:
+        assert name in present
+    for name in m.hostile:
+        assert name not in present, name
+    for name in m.optional_libs:  # spaces and newlines are never driver names
+        assert name not in present, name
+    setuid = lib / f"libnvidia-setuid.so.{m.version}"
+    if setuid.exists():
+        assert oct(setuid.stat().st_mode & 0o7777) == oct(0o644)
+    # Nothing outside staging was read into the root: no file holds /etc/shadow's text.
+    assert check_json(cli, m)["ok"] is True
+    # The log names what it skipped, each on one line.
+    assert all("\n" not in line for line in out.lines)
+    assert "ignoring" in out.stderr
+
+
+@needs_root
+def test_special_files_named_like_libraries_are_never_opened_for_reading(
+        tmp_path: Path, cli: Cli) -> None:
+    """A FIFO named like a library would block a naive open(); a socket cannot be opened."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    os.mkfifo(m.staging[0] / f"libnvidia-fifo.so.{m.version}")
+    s = socket.socket(socket.AF_UNIX)
+    cwd = os.getcwd()
+    os.chdir(m.staging[0])  # socket paths are limited to 108 bytes
+    try:
+        s.bind(f"libnvidia-sock.so.{m.version}")
+    finally:
+        os.chdir(cwd)
+    out = cli(m.root, "run", timeout=60)
+    s.close()
+    assert out.code == 0, out.stderr
+    assert not (root_of(m) / "lib" / MA / f"libnvidia-fifo.so.{m.version}").exists()
+
+
+@needs_root
+def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli) -> None:
+    m = simgpu.make_machine(tmp_path / "root")
+    for lib in m.staging[0].glob("lib*.so.*"):
+        if not lib.is_symlink():
+            with open(lib, "rb") as f:
+                info = read_elf(f)
+            if info is not None and info.machine == "x86_64":
+                simgpu.aarch64_so(lib.parent / lib.name, info.soname or lib.name)
+    (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
+    m.write_config(arch="aarch64", ldconfig="/bin/true")
+    out = cli(m.root, "run")
+    # Helpers stay x86_64 here, so they are left out; libraries are aarch64.
+    assert out.code == 0, out.stderr
+    lib = root_of(m) / "lib/aarch64-linux-gnu"
+    assert (lib / f"libcuda.so.{m.version}").is_file()
+    assert not (root_of(m) / "lib" / MA).exists()
+    assert "aarch64-linux-gnu" in (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
+                                   ).read_text()

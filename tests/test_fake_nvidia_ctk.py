@@ -1,0 +1,710 @@
+"""Tests for the nvidia-ctk test stand-in (tests/fakes/nvidia-ctk).
+
+Each test builds a tiny driver root in tmp_path: real ELF shared objects compiled with gcc
+(with a DT_SONAME, as the real tool reads it) and mknod'ed character devices (needs root).
+The stand-in is run as a program, the way the product runs nvidia-ctk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+FAKE = Path(__file__).parent / "fakes" / "nvidia-ctk"
+VER = "535.309.01"
+LIBDIR = "lib/x86_64-linux-gnu"
+CONTAINER_LIBDIR = "/" + LIBDIR
+HOOK_FLAGS = (
+    "--disable-hook",
+    "all",
+    "--enable-hook",
+    "create-symlinks",
+    "--enable-hook",
+    "update-ldcache",
+)
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: mknod of fake /dev/nvidia* character devices"
+)
+pytestmark = pytest.mark.root
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FAKE_NVIDIA_CTK_", "NVIDIA_CTK_")) and k != "PYTHONFAULTHANDLER"
+    }
+    # The fake runs via its '#!/usr/bin/env python3' line: use this interpreter's python3.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.update(extra)
+    return env
+
+
+def ctk(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(FAKE), *args],
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def mounts(spec: dict[str, Any]) -> dict[str, str]:
+    """containerPath -> hostPath of the common mounts."""
+    return {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"].get("mounts", [])}
+
+
+def hooks(spec: dict[str, Any]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for hook in spec["containerEdits"].get("hooks", []):
+        assert hook["hookName"] == "createContainer"
+        assert hook["path"] == "/usr/bin/nvidia-cdi-hook"
+        assert hook["args"][0] == "nvidia-cdi-hook"
+        out[hook["args"][1]] = hook["args"][2:]
+    return out
+
+
+def links(spec: dict[str, Any]) -> list[str]:
+    args = hooks(spec).get("create-symlinks", [])
+    assert args[0::2] == ["--link"] * (len(args) // 2)
+    return args[1::2]
+
+
+@pytest.fixture(scope="session")
+def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Compiles (once per SONAME) a real shared object with that DT_SONAME."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build real ELF shared objects")
+    directory = tmp_path_factory.mktemp("so")
+    source = directory / "empty.c"
+    source.write_text("int fake_symbol;\n")
+    built: dict[str, Path] = {}
+
+    def build(soname: str) -> Path:
+        if soname not in built:
+            out = directory / f"{soname}.bin"
+            subprocess.run(
+                ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(source)],
+                check=True,
+            )
+            built[soname] = out
+        return built[soname]
+
+    return build
+
+
+@dataclass
+class Tree:
+    """A directory tree builder (driver roots, dev roots, staging dirs)."""
+
+    path: Path
+    so: Callable[[str], Path]
+
+    def lib(self, name: str, soname: str | None = None, subdir: str = LIBDIR) -> Path:
+        target = self.path / subdir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if soname is None:
+            soname = name.split(".so")[0] + ".so.1"
+        shutil.copyfile(self.so(soname), target)
+        return target
+
+    def link(self, rel: str, target: str) -> Path:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(target)
+        return path
+
+    def file(self, rel: str, mode: int = 0o644, text: str = "x") -> Path:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(mode)
+        return path
+
+    def chardev(self, rel: str, major: int = 195, minor: int = 0) -> Path:
+        path = self.path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path, so_cache: Callable[[str], Path]) -> Callable[[str], Tree]:
+    def make(name: str) -> Tree:
+        path = tmp_path / name
+        path.mkdir()
+        return Tree(path, so_cache)
+
+    return make
+
+
+def standard_libs(root: Tree, version: str = VER) -> None:
+    """libcuda + libnvidia-ml with relative SONAME links, as the product lays them out."""
+    root.lib(f"libcuda.so.{version}")
+    root.link(f"{LIBDIR}/libcuda.so.1", f"libcuda.so.{version}")
+    root.link(f"{LIBDIR}/libcuda.so", "libcuda.so.1")
+    root.lib(f"libnvidia-ml.so.{version}")
+    root.link(f"{LIBDIR}/libnvidia-ml.so.1", f"libnvidia-ml.so.{version}")
+
+
+@pytest.fixture
+def driver_root(tree: Callable[[str], Tree]) -> Tree:
+    root = tree("driver")
+    standard_libs(root)
+    return root
+
+
+@pytest.fixture
+def dev_root(tree: Callable[[str], Tree]) -> Iterator[Tree]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mknod of fake /dev/nvidia* character devices")
+    dev = tree("devroot")
+    dev.chardev("dev/nvidia0", 195, 0)
+    dev.chardev("dev/nvidiactl", 195, 255)
+    dev.chardev("dev/nvidia-uvm", 511, 0)
+    yield dev
+
+
+def generate(
+    root: Path | str,
+    out: Path | None,
+    *extra: str,
+    dev: Path | str | None = None,
+    mode: str | None = "management",
+    timeout: float = 30,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    args = ["cdi", "generate", f"--driver-root={root}"]
+    if dev is not None:
+        args.append(f"--dev-root={dev}")
+    args.append("--format=yaml")
+    if out is not None:
+        args.append(f"--output={out}")
+    if mode is not None:
+        args.append(f"--mode={mode}")
+    return ctk(*args, *extra, timeout=timeout, **env)
+
+
+def assert_failed(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 1, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "level=error" in line]
+    assert error_lines, result.stderr
+    for needle in needles:
+        assert needle in error_lines[-1], result.stderr
+
+
+# --------------------------------------------------------------------------- --version
+
+
+def test_is_an_executable_python_script() -> None:
+    assert os.access(FAKE, os.X_OK)
+    assert FAKE.read_text().startswith("#!/usr/bin/env python3\n")
+
+
+def test_version_default() -> None:
+    result = ctk("--version")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines[0] == "NVIDIA Container Toolkit CLI version 1.20.0"
+    assert lines[1].startswith("commit: ")
+    assert all(c in "0123456789abcdef" for c in lines[1].removeprefix("commit: "))
+
+
+def test_version_override() -> None:
+    result = ctk("--version", FAKE_NVIDIA_CTK_VERSION="1.17.8")
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[0] == "NVIDIA Container Toolkit CLI version 1.17.8"
+    assert ctk("--version", FAKE_NVIDIA_CTK_VERSION="not-a-version").returncode == 2
+
+
+# --------------------------------------------------------------------------- device nodes
+
+
+@needs_root
+def test_dev_root_defaults_to_driver_root(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    out = tmp_path / "out" / "nvidia.yaml"
+    # The driver root has no dev/: without --dev-root nothing is found there.
+    result = generate(driver_root.path, out)
+    assert_failed(result, "failed to generate CDI spec", "no NVIDIA device nodes found")
+    assert not out.exists()
+    # With an explicit dev root it works; container paths are relative to the dev root.
+    assert generate(driver_root.path, out, dev=dev_root.path).returncode == 0
+    (device,) = load(out)["devices"]
+    assert device["name"] == "all"
+    nodes = {n["path"]: n for n in device["containerEdits"]["deviceNodes"]}
+    assert set(nodes) == {"/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"}
+    assert nodes["/dev/nvidia0"]["hostPath"] == str(dev_root.path / "dev/nvidia0")
+    assert nodes["/dev/nvidiactl"]["major"] == 195 and nodes["/dev/nvidiactl"]["minor"] == 255
+
+
+@needs_root
+def test_dev_nodes_inside_driver_root_are_found_by_default(
+    driver_root: Tree, tmp_path: Path
+) -> None:
+    driver_root.chardev("dev/nvidiactl", 195, 255)
+    out = tmp_path / "nvidia.yaml"
+    assert generate(driver_root.path, out).returncode == 0
+    nodes = load(out)["devices"][0]["containerEdits"]["deviceNodes"]
+    assert [(n["path"], n["hostPath"]) for n in nodes] == [
+        ("/dev/nvidiactl", str(driver_root.path / "dev/nvidiactl"))
+    ]
+
+
+def test_device_nodes_must_be_character_devices(
+    driver_root: Tree, tree: Callable[[str], Tree], tmp_path: Path
+) -> None:
+    dev = tree("regular-dev")
+    dev.file("dev/nvidia0")
+    dev.file("dev/nvidiactl")
+    dev.path.joinpath("dev/nvidia-uvm").mkdir()
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, dev=dev.path)
+    assert_failed(result, "no NVIDIA device nodes found")
+    assert not out.exists()
+
+
+@needs_root
+def test_blocked_and_mixed_nodes(
+    driver_root: Tree, tree: Callable[[str], Tree], tmp_path: Path
+) -> None:
+    dev = tree("mixed-dev")
+    dev.chardev("dev/nvidia1", 195, 1)
+    dev.file("dev/nvidia0")  # regular file: ignored
+    dev.chardev("dev/nvidia-nvswitch0", 234, 0)  # blocked in management mode
+    dev.chardev("dev/nvidia-caps/nvidia-cap1", 236, 1)
+    out = tmp_path / "nvidia.yaml"
+    assert generate(driver_root.path, out, dev=dev.path).returncode == 0
+    nodes = load(out)["devices"][0]["containerEdits"]["deviceNodes"]
+    assert sorted(n["path"] for n in nodes) == ["/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia1"]
+
+
+# --------------------------------------------------------------------------- libraries
+
+
+@needs_root
+def test_spec_shape_and_library_mounts(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, *HOOK_FLAGS, dev=dev_root.path)
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert text.startswith("---\n")
+    spec = load(out)
+    assert spec["cdiVersion"] == "0.5.0"  # hostPath on device nodes needs 0.5.0
+    assert spec["kind"] == "nvidia.com/gpu"
+    assert "NVIDIA_VISIBLE_DEVICES=void" in spec["containerEdits"]["env"]
+    real_libdir = os.path.realpath(driver_root.path / LIBDIR)
+    assert mounts(spec) == {
+        f"{CONTAINER_LIBDIR}/libcuda.so.{VER}": f"{real_libdir}/libcuda.so.{VER}",
+        f"{CONTAINER_LIBDIR}/libnvidia-ml.so.{VER}": f"{real_libdir}/libnvidia-ml.so.{VER}",
+    }
+    for mount in spec["containerEdits"]["mounts"]:
+        assert mount["options"] == ["ro", "nosuid", "nodev", "rbind", "rprivate"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+
+
+@needs_root
+def test_relative_soname_links_become_create_symlinks_args(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    root = tree("driver")
+    standard_libs(root)
+    root.lib(f"libnvidia-ptxjitcompiler.so.{VER}")  # no SONAME link next to it
+    out = tmp_path / "nvidia.yaml"
+    assert generate(root.path, out, *HOOK_FLAGS, dev=dev_root.path).returncode == 0
+    spec = load(out)
+    assert links(spec) == [
+        f"libcuda.so.1::{CONTAINER_LIBDIR}/libcuda.so",
+        f"libcuda.so.{VER}::{CONTAINER_LIBDIR}/libcuda.so.1",
+        f"libnvidia-ml.so.{VER}::{CONTAINER_LIBDIR}/libnvidia-ml.so.1",
+    ]
+    assert hooks(spec)["update-ldcache"] == ["--folder", CONTAINER_LIBDIR]
+    assert f"{CONTAINER_LIBDIR}/libnvidia-ptxjitcompiler.so.{VER}" in mounts(spec)
+
+
+@needs_root
+def test_absolute_link_out_of_root_drops_library(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    staging = tree("staging")  # stands for /run/host-nvidia/0, visible to this process
+    staging.lib(f"libcuda.so.{VER}", subdir=".")
+    root = tree("driver")
+    root.link(f"{LIBDIR}/libcuda.so.{VER}", str(staging.path / f"libcuda.so.{VER}"))
+    root.link(f"{LIBDIR}/libcuda.so.1", f"libcuda.so.{VER}")
+    root.lib(f"libnvidia-ml.so.{VER}")
+    root.link(f"{LIBDIR}/libnvidia-ml.so.1", f"libnvidia-ml.so.{VER}")
+    out = tmp_path / "nvidia.yaml"
+    result = generate(root.path, out, *HOOK_FLAGS, dev=dev_root.path)
+    assert result.returncode == 0, result.stderr  # silently: the real tool does not fail
+    spec = load(out)
+    assert list(mounts(spec)) == [f"{CONTAINER_LIBDIR}/libnvidia-ml.so.{VER}"]
+    assert not any(str(staging.path) in h for h in mounts(spec).values())
+    assert not any("libcuda" in link for link in links(spec)[1:])
+
+
+@needs_root
+def test_all_libraries_out_of_root_leave_no_library_mounts(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    staging = tree("staging")
+    standard_libs(staging)
+    root = tree("driver")
+    for name in (f"libcuda.so.{VER}", f"libnvidia-ml.so.{VER}"):
+        root.link(f"{LIBDIR}/{name}", str(staging.path / LIBDIR / name))
+    out = tmp_path / "nvidia.yaml"
+    assert generate(root.path, out, dev=dev_root.path).returncode == 0
+    # The version is still inferred (the links resolve), but nothing is mounted.
+    assert not any(".so." in path for path in mounts(load(out)))
+
+
+@needs_root
+def test_dangling_absolute_links_fail_naming_the_libraries(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    root = tree("driver")
+    for name in (f"libcuda.so.{VER}", f"libnvidia-ml.so.{VER}"):
+        root.link(f"{LIBDIR}/{name}", f"/run/host-nvidia/0/not-mounted-here/{name}")
+    out = tmp_path / "nvidia.yaml"
+    result = generate(root.path, out, dev=dev_root.path)
+    assert_failed(result, "failed to determine driver version", "libcuda.so.", "libnvidia-ml.so.")
+    assert not out.exists()
+
+
+@needs_root
+def test_empty_root_fails(tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path) -> None:
+    result = generate(tree("empty").path, tmp_path / "x.yaml", dev=dev_root.path)
+    assert_failed(result, 'failed to locate \\"libcuda.so.\\"')
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@needs_root
+def test_version_comes_from_file_name(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    root = tree("driver")
+    root.lib("libcuda.so.550.54.14", subdir="usr/lib/x86_64-linux-gnu/nvidia/current")
+    root.lib(f"libnvidia-ml.so.{VER}", subdir="usr/lib64")  # not the libcuda version
+    out = tmp_path / "nvidia.yaml"
+    assert generate(root.path, out, dev=dev_root.path).returncode == 0
+    spec = load(out)
+    assert list(mounts(spec)) == ["/usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.550.54.14"]
+    assert hooks(spec)["enable-cuda-compat"] == ["--host-driver-version=550.54.14"]
+
+
+@needs_root
+def test_version_falls_back_to_libnvidia_ml(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    root = tree("driver")
+    root.lib("libnvidia-ml.so.570.1.2")
+    out = tmp_path / "nvidia.yaml"
+    assert generate(root.path, out, dev=dev_root.path).returncode == 0
+    assert list(mounts(load(out))) == [f"{CONTAINER_LIBDIR}/libnvidia-ml.so.570.1.2"]
+
+
+@needs_root
+def test_every_versioned_library_vdpau_and_nvvm70(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    driver_root.lib(f"libfoo.so.{VER}", soname="libfoo.so.1")  # any *.so.<ver> is taken
+    driver_root.lib("libstale.so.470.1.1")  # other version: not taken
+    driver_root.lib(f"libvdpau_nvidia.so.{VER}", subdir=f"{LIBDIR}/vdpau")
+    driver_root.lib("libnvidia-nvvm70.so.4")
+    out = tmp_path / "nvidia.yaml"
+    assert generate(driver_root.path, out, dev=dev_root.path).returncode == 0
+    spec = load(out)
+    paths = set(mounts(spec))
+    assert f"{CONTAINER_LIBDIR}/libfoo.so.{VER}" in paths
+    assert f"{CONTAINER_LIBDIR}/vdpau/libvdpau_nvidia.so.{VER}" in paths
+    assert f"{CONTAINER_LIBDIR}/libnvidia-nvvm70.so.4" in paths
+    assert not any("libstale" in p for p in paths)
+    folders = hooks(spec)["update-ldcache"][1::2]
+    assert folders == [CONTAINER_LIBDIR, f"{CONTAINER_LIBDIR}/vdpau"]
+
+
+@needs_root
+def test_helpers_must_be_executable_files(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    driver_root.file("usr/bin/nvidia-smi", 0o755, "#!/bin/sh\n")
+    driver_root.file("usr/bin/nvidia-debugdump", 0o644)  # not executable
+    driver_root.path.joinpath("usr/bin/nvidia-persistenced").mkdir()  # a directory
+    driver_root.link("usr/bin/nvidia-imex", "/nonexistent/nvidia-imex")  # dangling
+    driver_root.file("nvidia-cuda-mps-control", 0o755)  # the root itself is not searched
+    driver_root.file(f"lib/firmware/nvidia/{VER}/gsp_ga10x.bin")
+    driver_root.file("lib/firmware/nvidia/470.1.1/gsp_old.bin")
+    out = tmp_path / "nvidia.yaml"
+    assert generate(driver_root.path, out, dev=dev_root.path).returncode == 0
+    found = mounts(load(out))
+    assert found["/usr/bin/nvidia-smi"] == str(driver_root.path / "usr/bin/nvidia-smi")
+    assert f"/lib/firmware/nvidia/{VER}/gsp_ga10x.bin" in found
+    unexpected = ("debugdump", "persistenced", "imex", "mps", "gsp_old")
+    assert not [p for p in found if any(word in p for word in unexpected)]
+
+
+# --------------------------------------------------------------------------- output
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("name", "fmt", "written", "is_json"),
+    [
+        ("nvidia.yaml", "yaml", "nvidia.yaml", False),
+        ("x.tmp", "yaml", "x.tmp.yaml", False),
+        ("spec.yml", "yaml", "spec.yml.yaml", False),
+        ("y.json", "yaml", "y.json", True),
+        ("z", "json", "z.json", True),
+    ],
+)
+def test_output_naming(
+    driver_root: Tree,
+    dev_root: Tree,
+    tmp_path: Path,
+    name: str,
+    fmt: str,
+    written: str,
+    is_json: bool,
+) -> None:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    result = ctk(
+        "cdi",
+        "generate",
+        f"--driver-root={driver_root.path}",
+        f"--dev-root={dev_root.path}",
+        f"--format={fmt}",
+        f"--output={out_dir / name}",
+        "--mode=management",
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == [written]  # no temp file left
+    text = (out_dir / written).read_text()
+    if is_json:
+        assert json.loads(text)["kind"] == "nvidia.com/gpu"
+    else:
+        assert text.startswith("---\n")
+        assert yaml.safe_load(text)["kind"] == "nvidia.com/gpu"
+
+
+@needs_root
+def test_output_replaced_by_rename_and_stdout(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    out = tmp_path / "nvidia.yaml"
+    out.write_text("old")
+    inode = out.stat().st_ino
+    assert generate(driver_root.path, out, dev=dev_root.path).returncode == 0
+    assert out.stat().st_ino != inode
+    result = generate(driver_root.path, None, dev=dev_root.path)
+    assert result.returncode == 0
+    assert result.stdout.startswith("---\n")
+    assert yaml.safe_load(result.stdout) == load(out)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+@needs_root
+def test_hook_selection_flags(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    assert generate(driver_root.path, out, *HOOK_FLAGS, dev=dev_root.path).returncode == 0
+    assert list(hooks(load(out))) == ["create-symlinks", "update-ldcache"]
+    assert generate(driver_root.path, out, "--disable-hook=all", dev=dev_root.path).returncode == 0
+    assert "hooks" not in load(out)["containerEdits"]
+
+
+@needs_root
+def test_default_hooks_per_version(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    gpu = "GPU-11111111-2222-3333-4444-555555555555"
+    expected = {
+        "1.20.0": [
+            "create-symlinks",
+            "enable-cuda-compat",
+            "update-ldcache",
+            "disable-device-node-modification",
+            "update-application-profile",
+        ],
+        "1.18.0": [
+            "create-symlinks",
+            "enable-cuda-compat",
+            "update-ldcache",
+            "disable-device-node-modification",
+        ],
+        "1.17.8": ["create-symlinks", "enable-cuda-compat", "update-ldcache"],
+    }
+    for version, names in expected.items():
+        result = generate(
+            driver_root.path,
+            out,
+            dev=dev_root.path,
+            mode=None,
+            FAKE_NVIDIA_CTK_VERSION=version,
+            FAKE_NVIDIA_CTK_GPUS=gpu,
+        )
+        assert result.returncode == 0, result.stderr
+        assert list(hooks(load(out))) == names, version
+
+
+def test_hook_flags_unknown_before_1_18(driver_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, *HOOK_FLAGS, FAKE_NVIDIA_CTK_VERSION="1.17.8")
+    assert_failed(result, "flag provided but not defined: -disable-hook")
+    assert "Incorrect Usage: flag provided but not defined: -disable-hook" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("version", "args", "needle"),
+    [
+        ("1.20.0", ("--enable-hook", "all"), "enabling all hooks is not supported"),
+        ("1.20.0", ("--enable-hook", "create-symlink"), 'unknown hook name \\"create-symlink\\"'),
+        ("1.19.0", ("--enable-hook", "update-application-profile"), "unknown hook name"),
+        ("1.20.0", ("--bogus",), "flag provided but not defined: -bogus"),
+        ("1.20.0", ("--mode=bogus",), "invalid discovery mode: bogus"),
+        ("1.17.8", ("--mode=imex",), "invalid discovery mode: imex"),
+        ("1.20.0", ("--mode=csv",), 'unsupported mode \\"csv\\"'),
+        ("1.20.0", ("--format=toml",), "invalid output format: toml"),
+        ("1.20.0", ("--device-name-strategy=serial",), "invalid device name strategy: serial"),
+        ("1.18.0", ("--no-all-device",), "flag provided but not defined: -no-all-device"),
+        ("1.20.0", ("--output",), "flag needs an argument: -output"),
+    ],
+)
+def test_bad_arguments_fail(
+    driver_root: Tree, tmp_path: Path, version: str, args: tuple[str, ...], needle: str
+) -> None:
+    result = ctk(
+        "cdi",
+        "generate",
+        f"--driver-root={driver_root.path}",
+        f"--output={tmp_path / 'x.yaml'}",
+        *args,
+        FAKE_NVIDIA_CTK_VERSION=version,
+    )
+    assert_failed(result, needle)
+    assert not (tmp_path / "x.yaml").exists()
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def test_auto_mode_needs_nvml(driver_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    # libnvidia-ml.so.1 is in the root but no kernel driver is loaded.
+    result = generate(driver_root.path, out, mode=None)
+    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    os.unlink(driver_root.path / LIBDIR / "libnvidia-ml.so.1")
+    result = generate(driver_root.path, out, mode="nvml", FAKE_NVIDIA_CTK_GPUS="GPU-1")
+    assert_failed(result, "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND")
+    assert not out.exists()
+
+
+@needs_root
+def test_nvml_mode_devices(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+    dev_root.chardev("dev/nvidia1", 195, 1)
+    out = tmp_path / "nvidia.yaml"
+    gpus = "GPU-aaaaaaaa-0000-0000-0000-000000000000,GPU-bbbbbbbb-0000-0000-0000-000000000000"
+    result = generate(
+        driver_root.path, out, dev=dev_root.path, mode=None, FAKE_NVIDIA_CTK_GPUS=gpus
+    )
+    assert result.returncode == 0, result.stderr
+    spec = load(out)
+    uuid_a, uuid_b = gpus.split(",")
+    assert [d["name"] for d in spec["devices"]] == ["0", uuid_a, "1", uuid_b, "all"]
+    by_name = {d["name"]: d["containerEdits"].get("deviceNodes", []) for d in spec["devices"]}
+    assert [n["path"] for n in by_name["1"]] == ["/dev/nvidia1"]
+    assert [n["path"] for n in by_name["all"]] == ["/dev/nvidia0", "/dev/nvidia1"]
+    common = [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
+    assert common == ["/dev/nvidia-uvm", "/dev/nvidiactl"]
+    result = generate(
+        driver_root.path,
+        out,
+        "--device-name-strategy=uuid",
+        dev=dev_root.path,
+        mode="nvml",
+        FAKE_NVIDIA_CTK_GPUS=uuid_a,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [d["name"] for d in load(out)["devices"]] == [uuid_a, "all"]
+
+
+# --------------------------------------------------------------------------- knobs
+
+
+def test_log_knob_records_exact_arguments(tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    ctk("--version", FAKE_NVIDIA_CTK_LOG=str(log))
+    ctk(
+        "cdi",
+        "generate",
+        "--driver-root=/nonexistent",
+        "--mode=management",
+        FAKE_NVIDIA_CTK_LOG=str(log),
+    )
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [
+        ["--version"],
+        ["cdi", "generate", "--driver-root=/nonexistent", "--mode=management"],
+    ]
+
+
+def test_hang_knob(driver_root: Tree, tmp_path: Path) -> None:
+    out = tmp_path / "nvidia.yaml"
+    with pytest.raises(subprocess.TimeoutExpired):
+        generate(driver_root.path, out, FAKE_NVIDIA_CTK_HANG="1", timeout=0.7)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "signum"), [("KILL", signal.SIGKILL), ("SEGV", signal.SIGSEGV)])
+def test_signal_knob(driver_root: Tree, tmp_path: Path, name: str, signum: int) -> None:
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, FAKE_NVIDIA_CTK_SIGNAL=name)
+    assert result.returncode == -signum
+    assert not out.exists()
+
+
+@needs_root
+def test_corrupt_knob(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+    def corrupt(how: str) -> str:
+        out = tmp_path / f"{how}.yaml"
+        result = generate(driver_root.path, out, dev=dev_root.path, FAKE_NVIDIA_CTK_CORRUPT=how)
+        assert result.returncode == 0, result.stderr
+        return out.read_text()
+
+    with pytest.raises(yaml.YAMLError):
+        yaml.safe_load(corrupt("garbage"))
+    assert "kind" not in yaml.safe_load(corrupt("nokind"))
+    assert yaml.safe_load(corrupt("wrongkind"))["kind"] != "nvidia.com/gpu"
+    assert yaml.safe_load(corrupt("nodevices"))["devices"] == []
+    staged = yaml.safe_load(corrupt("staging"))
+    libcuda = mounts(staged)[f"{CONTAINER_LIBDIR}/libcuda.so.{VER}"]
+    assert libcuda == f"/run/host-nvidia/0/libcuda.so.{VER}"
+    # A generation that fails still fails, corrupt knob or not.
+    result = generate(driver_root.path, tmp_path / "x.yaml", FAKE_NVIDIA_CTK_CORRUPT="garbage")
+    assert_failed(result, "no NVIDIA device nodes found")
+    assert ctk("cdi", "generate", FAKE_NVIDIA_CTK_CORRUPT="bogus").returncode == 2

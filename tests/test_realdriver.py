@@ -1,0 +1,117 @@
+"""The real NVIDIA userspace driver (Debian non-free), among unrelated libraries, a stale
+older driver and hostile entries: the root and spec nvidia-ctk accepts, also from the
+device plugin's view where the staging mounts are not there."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from unbounded_nvidia_setup.elf import read_elf
+
+import realdriver
+import simgpu
+from conftest import FAKE_CTK, Cli, needs_root
+from test_run import assert_secure_root, check_json, load_spec, mounts, root_of
+
+pytestmark = needs_root
+
+
+def fetch(arch: str) -> realdriver.RealDriver:
+    try:
+        return realdriver.fetch_real_driver(arch)
+    except realdriver.RealDriverUnavailable as e:
+        if os.environ.get("CI"):
+            raise  # CI must prove this for real
+        pytest.skip(f"real NVIDIA files unavailable: {e}")
+
+
+def real_machine(tmp_path: Path, drv: realdriver.RealDriver) -> simgpu.SimMachine:
+    """A simulated host whose current driver is replaced by the real one."""
+    m = simgpu.make_machine(tmp_path / "root", version=drv.version, hostile=True,
+                            stale_versions=("525.147.05",))
+    for name in [*m.expected_libs, *m.expected_links]:
+        path = m.lib_dir / name
+        if os.path.lexists(path):
+            path.unlink()
+    assert m.bin_dir is not None and m.firmware_dir is not None
+    for helper in m.helpers:
+        (m.bin_dir / helper).unlink()
+    shutil.rmtree(m.firmware_dir / "nvidia" / drv.version)
+    realdriver.stage_real_driver(m.lib_dir, drv, bin_dir=m.bin_dir,
+                                 firmware_dir=m.firmware_dir, hardlink=True)
+    m.write_config()
+    return m
+
+
+@pytest.mark.parametrize("arch", ["amd64"])
+def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str) -> None:
+    drv = fetch(arch)
+    m = real_machine(tmp_path, drv)
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    root = root_of(m)
+    lib = root / "lib" / drv.multiarch
+    assert_secure_root(root)
+    files = {p.name for p in lib.rglob("*") if p.is_file() and not p.is_symlink()}
+    real_libs = {p.name for p in drv.libraries}
+    assert real_libs <= files | {n for n in real_libs if "vdpau" in n}
+    assert not [f for f in files if "525.147.05" in f]
+    assert not [f for f in files if f in m.hostile]
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"):
+        assert (lib / name).is_symlink() and (lib / name).resolve().is_file()
+    with open(lib / f"libcuda.so.{drv.version}", "rb") as f:
+        elf = read_elf(f)
+    assert elf is not None and elf.soname == "libcuda.so.1"
+    assert (root / "usr/bin/nvidia-smi").stat().st_mode & 0o777 == 0o755
+    assert (root / "lib/firmware/nvidia" / drv.version / "gsp_ga10x.bin").is_file()
+
+    host_paths = mounts(load_spec(m))
+    assert str(lib / f"libcuda.so.{drv.version}") in host_paths
+    assert str(lib / f"libnvidia-ml.so.{drv.version}") in host_paths
+    assert str(root / "usr/bin/nvidia-smi") in host_paths
+    assert check_json(cli, m)["ok"] is True
+
+    # The device plugin's view: staging hidden, only the driver root.
+    shutil.move(m.root / "run/host-nvidia", tmp_path / "hidden")
+    out_dir = tmp_path / "plugin"
+    out_dir.mkdir()
+    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root}",
+                           f"--dev-root={m.root}", "--mode=management",
+                           f"--output={out_dir}/spec.json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out_dir / "spec.json").read_text())
+    names = {os.path.basename(x["hostPath"]) for x in spec["containerEdits"]["mounts"]}
+    assert {f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}", "nvidia-smi",
+            "gsp_ga10x.bin"} <= names
+
+    # Second run: nothing to do, nothing swapped.
+    shutil.move(tmp_path / "hidden", m.root / "run/host-nvidia")
+    ino = os.stat(root).st_ino
+    out = cli(m.root, "run")
+    assert out.code == 0 and "not rebuilt" in out.stderr
+    assert os.stat(root).st_ino == ino
+
+
+def test_real_aarch64_driver_on_an_aarch64_machine(tmp_path: Path, cli: Cli) -> None:
+    """GB300 hosts are arm64: with arch forced, the real arm64 files make the root."""
+    drv = fetch("arm64")
+    m = real_machine(tmp_path, drv)
+    (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
+    # ldconfig of this x86_64 machine cannot index aarch64 libraries in a cache for aarch64.
+    m.write_config(arch="aarch64", ldconfig="/bin/true")
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    lib = root_of(m) / "lib/aarch64-linux-gnu"
+    assert (lib / f"libcuda.so.{drv.version}").is_file()
+    assert (root_of(m) / "usr/bin/nvidia-smi").is_file()
+    assert not (root_of(m) / "lib/x86_64-linux-gnu").exists()
+    # The same arm64 staging on an x86_64 machine: every arm64 file is foreign.
+    m.write_config()
+    out = cli(m.root, "run")
+    assert out.code == 1 and "incomplete driver state" in out.errors[0]
