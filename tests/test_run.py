@@ -229,6 +229,7 @@ def test_new_driver_version_swaps_in_a_new_generation(m: simgpu.SimMachine, cli:
     ("spec-garbage", "spec-invalid"),
     ("dropin-deleted", "ldconf-missing"),
     ("legacy-link", "legacy-link"),
+    ("shadow-spec", "spec-shadowed"),
 ])
 def test_tampering_is_detected_and_repaired(m: simgpu.SimMachine, cli: Cli, tamper: str,
                                             code: str) -> None:
@@ -256,6 +257,9 @@ def test_tampering_is_detected_and_repaired(m: simgpu.SimMachine, cli: Cli, tamp
         spec_of(m).write_text("{{{ not yaml")
     elif tamper == "dropin-deleted":
         (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf").unlink()
+    elif tamper == "shadow-spec":
+        (m.root / "var/run/cdi").mkdir(parents=True)
+        shutil.copy(spec_of(m), m.root / "var/run/cdi/nvidia.yaml")
     elif tamper == "legacy-link":
         (m.root / "usr/lib" / MA).mkdir(parents=True, exist_ok=True)
         os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}",
@@ -267,6 +271,7 @@ def test_tampering_is_detected_and_repaired(m: simgpu.SimMachine, cli: Cli, tamp
     assert cli(m.root, "run").code == 0
     assert check_json(cli, m)["ok"] is True
     assert not (m.root / "usr/lib" / MA / "libcuda.so.1").exists()
+    assert not (m.root / "var/run/cdi/nvidia.yaml").exists()
 
 
 def test_device_plugin_spec_missing_libcuda_is_reported(m: simgpu.SimMachine, cli: Cli) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +102,19 @@ def install(machine: Machine, data: bytes) -> bool:
     if changed:
         log.info(f"installed {path}")
     return changed
+
+
+def remove_shadow(machine: Machine) -> None:
+    """nvidia-cdi-refresh (NVIDIA Container Toolkit >= 1.18) writes /var/run/cdi/nvidia.yaml,
+    which outranks /etc/cdi for the same device names: a leftover one would win over ours."""
+    shadow = machine.at("/var/run/cdi") / machine.cdi_spec.name
+    try:
+        if os.path.samefile(shadow, machine.cdi_spec):
+            return
+        shadow.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        die(f"cannot remove {shadow}: {e.strerror}",
+            hint="remove it by hand; it outranks the spec this tool installs")
+    log.warn(f"removed {shadow}: it outranked {machine.cdi_spec} (nvidia-cdi-refresh?)")

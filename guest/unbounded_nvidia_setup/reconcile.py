@@ -150,6 +150,7 @@ def _reconcile(machine: Machine, force: bool) -> None:
         if swapped:
             tree.unswap(live, old)
         raise
+    cdi.remove_shadow(machine)
     if old is not None:
         tree.remove_tree(old)
     if swapped:
