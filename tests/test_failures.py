@@ -97,6 +97,22 @@ def test_staging_path_that_is_a_symlink(live: simgpu.SimMachine, cli: Cli) -> No
     fails_cleanly(cli, live, 1, "is a symlink, not a directory")
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) missing")
+def test_unreadable_staging_dir(live: simgpu.SimMachine, cli: Cli) -> None:
+    """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH meets permissions like anyone."""
+    live.staging[1].chmod(0)
+    before = snapshot(live)
+    proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                           sys.executable, "-m", "unbounded_nvidia_setup", "--root",
+                           str(live.root), "run"], capture_output=True, text=True)
+    live.staging[1].chmod(0o755)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("<3>")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert "cannot read staging dir" in errors[0] and "Permission denied" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert snapshot(live) == before
+
+
 def test_corrupt_elf_named_like_a_driver_library(live: simgpu.SimMachine, cli: Cli,
                                                  tmp_path: Path) -> None:
     simgpu.truncated_elf(live.staging[0] / f"libnvidia-glcore.so.{live.version}")

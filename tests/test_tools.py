@@ -1,0 +1,82 @@
+"""Talking to other programs, with their behaviour scripted (pytest-subprocess)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pytest_subprocess import FakeProcess
+
+from unbounded_nvidia_setup import cdi
+from unbounded_nvidia_setup.config import Config, Machine
+from unbounded_nvidia_setup.log import Failure
+from unbounded_nvidia_setup.run import run
+
+CTK = "/opt/nvidia-ctk"
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Machine:
+    ctk = tmp_path / "nvidia-ctk"
+    ctk.write_text("")
+    ctk.chmod(0o755)
+    return Machine.create(tmp_path, Config(nvidia_ctk=str(ctk),
+                                           nvidia_ctk_args=("--mode=management",)))
+
+
+@pytest.mark.parametrize("output,expect", [
+    ("NVIDIA Container Toolkit CLI version 1.20.0\ncommit: abc\n", (1, 20, 0)),
+    ("NVIDIA Container Toolkit CLI version 1.17.8\ncommit: abc\n", (1, 17, 8)),
+    ("NVIDIA Container Toolkit CLI version v1.18.0-rc.1\n", (1, 18, 0)),
+])
+def test_ctk_version(machine: Machine, fp: FakeProcess, output: str,
+                     expect: tuple[int, int, int]) -> None:
+    fp.register([machine.config.nvidia_ctk, "--version"], stdout=output)
+    assert cdi.find_ctk(machine).version == expect
+
+
+@pytest.mark.parametrize("output,code", [("garbage\n", 0), ("", 1)])
+def test_ctk_version_unusable(machine: Machine, fp: FakeProcess, output: str,
+                              code: int) -> None:
+    fp.register([machine.config.nvidia_ctk, "--version"], stdout=output, returncode=code)
+    with pytest.raises(Failure, match="cannot tell the version"):
+        cdi.find_ctk(machine)
+
+
+def test_hook_flags_only_from_1_18(machine: Machine) -> None:
+    out = Path("/w/nvidia.yaml")
+    new = cdi.generate_argv(machine, cdi.Ctk(CTK, (1, 18, 0)), out)
+    old = cdi.generate_argv(machine, cdi.Ctk(CTK, (1, 17, 8)), out)
+    assert new == [CTK, "cdi", "generate", f"--driver-root={machine.driver_root}",
+                   f"--dev-root={machine.root}", "--format=yaml", f"--output={out}",
+                   "--disable-hook", "all", "--enable-hook", "create-symlinks",
+                   "--enable-hook", "update-ldcache", "--mode=management"]
+    assert old == [*new[:7], "--mode=management"]
+
+
+def test_live_machine_passes_dev_root_slash() -> None:
+    machine = Machine.create(Path("/"), Config())
+    argv = cdi.generate_argv(machine, cdi.Ctk(CTK, (1, 20, 0)), Path("/w/nvidia.yaml"))
+    assert "--driver-root=/run/nvidia/driver" in argv and "--dev-root=/" in argv
+
+
+def test_run_reports_the_last_stderr_line(fp: FakeProcess) -> None:
+    fp.register(["prog"], stderr="warming up\nfatal: broken\n", returncode=3)
+    result = run(["prog"], timeout=5)
+    assert not result.ok and result.why() == "exit status 3: fatal: broken"
+
+
+def test_run_reports_a_signal(fp: FakeProcess) -> None:
+    fp.register(["prog"], returncode=-9)
+    assert run(["prog"], timeout=5).why() == "killed by SIGKILL"
+
+
+def test_run_of_a_missing_program_is_one_line() -> None:
+    with pytest.raises(Failure, match="cannot run /nonexistent/prog"):
+        run(["/nonexistent/prog"], timeout=5)
+
+
+def test_run_timeout_kills_the_whole_group() -> None:
+    # Real processes: a shell whose child would outlive a plain kill of the shell.
+    with pytest.raises(Failure, match=r"did not finish within 0\.5 s"):
+        run(["sh", "-c", "sleep 30 & sleep 30; wait"], timeout=0.5)
