@@ -9,7 +9,8 @@ from pathlib import Path
 from . import cdi, discover, driver, ldconf, log, tree
 from .config import Machine
 from .lock import locked
-from .log import EXIT_TEMPFAIL, Failure, die
+from .log import EXIT_TEMPFAIL, die
+from .plan import Manifest, Plan
 from .run import find_program
 from .verify import root_problems
 
@@ -117,36 +118,21 @@ def _reconcile(machine: Machine, force: bool) -> None:
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
     tree.remove_leftovers(live.parent)
+    want = plan.manifest()
     swapped, old = False, None
-    if tree.manifest(live) == plan.manifest():
+    if tree.manifest(live) == want:
         log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
     else:
-        busy = running_consumers(machine)
-        if busy and not force:
-            die(f"{' and '.join(busy)} running: swapping {live} now would change the driver "
-                "under running pods", hint="run `systemctl restart unbounded-nvidia-setup` "
-                "(it stops kubelet and containerd first), or pass --force")
-        log.status(f"Building driver root for driver {plan.version} "
-                   f"({len(plan.files)} files)")
-        new = tree.build(plan, live.parent)
-        difference = tree.describe_difference(plan.manifest(), tree.manifest(new))
-        problems = root_problems(new, machine.libdir, plan.version,
-                                 machine.config.extra_library_prefixes)
-        if difference != "identical" or problems:
-            tree.remove_tree(new)
-            what = problems[0].message if problems else difference
-            die(f"the new driver root failed verification ({what})",
-                hint="this is a bug; the live root was left as it was")
-        old = tree.swap(new, live)
+        old = _build_and_swap(machine, plan, want, force)
         swapped = True
 
     # The spec is made for the new root before the old one is deleted: when nvidia-ctk
     # fails, the previous root and spec stay live together.
     log.status("Generating the CDI spec")
-    helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in plan.manifest() else ()
+    helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
     try:
         cdi.install(machine, cdi.generate(machine, ctk, plan.version, helpers))
-    except Failure:
+    except BaseException:
         if swapped:
             tree.unswap(live, old)
         raise
@@ -161,3 +147,24 @@ def _reconcile(machine: Machine, force: bool) -> None:
     ldconf.run_ldconfig(machine)
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
+
+
+def _build_and_swap(machine: Machine, plan: Plan, want: Manifest, force: bool) -> Path | None:
+    """Build and verify a new generation, make it live; returns the old generation."""
+    live = machine.driver_root
+    busy = running_consumers(machine)
+    if busy and not force:
+        die(f"{' and '.join(busy)} running: swapping {live} now would change the driver "
+            "under running pods", hint="run `systemctl restart unbounded-nvidia-setup` "
+            "(it stops kubelet and containerd first), or pass --force")
+    log.status(f"Building driver root for driver {plan.version} ({len(plan.files)} files)")
+    new = tree.build(plan, live.parent)
+    difference = tree.describe_difference(want, tree.manifest(new))
+    problems = root_problems(new, machine.libdir, plan.version,
+                             machine.config.extra_library_prefixes)
+    if difference != "identical" or problems:
+        tree.remove_tree(new)
+        what = problems[0].message if problems else difference
+        die(f"the new driver root failed verification ({what})",
+            hint="this is a bug; the live root was left as it was")
+    return tree.swap(new, live)
