@@ -4,10 +4,8 @@ device plugin's view where the staging mounts are not there."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,8 @@ from unbounded_nvidia_setup.elf import read_elf
 
 import realdriver
 import simgpu
-from conftest import FAKE_CTK, Cli, needs_root
-from test_run import assert_secure_root, check_json, load_spec, mounts, root_of
+from conftest import Cli, needs_root
+from test_run import assert_secure_root, check_json, load_spec, mounts, plugin_view, root_of
 
 pytestmark = needs_root
 
@@ -77,16 +75,7 @@ def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str) -> None:
     assert str(root / "usr/bin/nvidia-smi") in host_paths
     assert check_json(cli, m)["ok"] is True
 
-    # The device plugin's view: staging hidden, only the driver root.
-    shutil.move(m.root / "run/host-nvidia", tmp_path / "hidden")
-    out_dir = tmp_path / "plugin"
-    out_dir.mkdir()
-    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root}",
-                           f"--dev-root={m.root}", "--mode=management",
-                           f"--output={out_dir}/spec.json"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    spec = json.loads((out_dir / "spec.json").read_text())
-    names = {os.path.basename(x["hostPath"]) for x in spec["containerEdits"]["mounts"]}
+    names = plugin_view(m, tmp_path)
     assert {f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}", "nvidia-smi",
             "gsp_ga10x.bin"} <= names
 

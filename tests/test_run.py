@@ -70,6 +70,21 @@ def mounts(doc: dict[str, object]) -> list[str]:
     return [mount["hostPath"] for mount in edits.get("mounts", [])]
 
 
+def plugin_view(m: simgpu.SimMachine, tmp_path: Path) -> set[str]:
+    """What nvidia-ctk (as the device plugin runs it) mounts from the driver root alone:
+    the staging mounts are moved away, as they are absent in the plugin's pod. Leaves
+    them moved away."""
+    shutil.move(m.root / "run/host-nvidia", tmp_path / "hidden")
+    out_dir = tmp_path / "plugin"
+    out_dir.mkdir()
+    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
+                           f"--dev-root={m.root}", "--mode=management",
+                           f"--output={out_dir}/spec.json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out_dir / "spec.json").read_text())
+    return {os.path.basename(mt["hostPath"]) for mt in spec["containerEdits"]["mounts"]}
+
+
 def assert_secure_root(root: Path) -> None:
     """Every file root-owned 0644/0755, no set-id bits, every link relative and inside."""
     real = os.path.realpath(root)
@@ -155,16 +170,7 @@ def test_root_keeps_libcuda_and_nvml_when_staging_is_hidden(m: simgpu.SimMachine
                                                             cli: Cli, tmp_path: Path) -> None:
     """The device plugin's view: only the driver root, no staging mounts."""
     assert cli(m.root, "run").code == 0
-    hidden = tmp_path / "hidden"
-    shutil.move(m.root / "run/host-nvidia", hidden)
-    out_dir = tmp_path / "plugin"
-    out_dir.mkdir()
-    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
-                           f"--dev-root={m.root}", "--mode=management",
-                           f"--output={out_dir}/spec.json"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    spec = json.loads((out_dir / "spec.json").read_text())
-    names = {os.path.basename(mt["hostPath"]) for mt in spec["containerEdits"]["mounts"]}
+    names = plugin_view(m, tmp_path)
     assert {f"libcuda.so.{m.version}", f"libnvidia-ml.so.{m.version}", "nvidia-smi"} <= names
     report = check_json(cli, m)
     assert "staging-missing" in codes(report)
