@@ -41,6 +41,20 @@ def test_version_from_the_libcuda_so_1_link() -> None:
     assert plan.driver_version(None, libs, [link("libcuda.so.1", f"libcuda.so.{V}")]) == V
 
 
+def test_version_from_the_nvml_link_when_libcuda_link_is_gone() -> None:
+    """The current libcuda went missing: the stale one must not be taken for the driver."""
+    libs = [staged(f"libcuda.so.{OLD}"), staged(f"libnvidia-ml.so.{V}")]
+    links = [link("libnvidia-ml.so.1", f"libnvidia-ml.so.{V}")]
+    assert plan.driver_version(None, libs, links) == V
+
+
+def test_links_that_disagree_are_an_error() -> None:
+    links = [link("libcuda.so.1", f"libcuda.so.{OLD}"),
+             link("libnvidia-ml.so.1", f"libnvidia-ml.so.{V}")]
+    with pytest.raises(Failure, match="links point at"):
+        plan.driver_version(None, [], links)
+
+
 def test_version_from_the_only_libcuda() -> None:
     assert plan.driver_version(None, [staged(f"libcuda.so.{V}")], []) == V
 

@@ -16,6 +16,8 @@ LIBRARY_MODE = 0o644
 EXECUTABLE_MODE = 0o755
 REQUIRED = ("libcuda.so", "libnvidia-ml.so")
 # Unversioned linker names, as `-lcuda` and NVML loaders expect them.
+# SONAME links the host's ldconfig keeps on the active driver's files.
+ACTIVE_LINKS = ("libcuda.so.1", "libnvidia-ml.so.1")
 LINKER_NAMES = {"libcuda.so": "libcuda.so.1", "libnvidia-ml.so": "libnvidia-ml.so.1"}
 
 # One manifest entry per path below the root: ("d",), ("l", target) or
@@ -31,23 +33,27 @@ def name_version(name: str) -> str | None:
 
 
 def driver_version(module: str | None, libraries: Iterable[Staged], links: Iterable[Link]) -> str:
-    """The kernel module's version; else what a staging dir's libcuda.so.1 points at (the
-    host's ldconfig keeps it on the active driver); else the only libcuda.so.<ver>."""
+    """The kernel module's version; else what a staging dir's libcuda.so.1 (or
+    libnvidia-ml.so.1) points at, since the host's ldconfig keeps those links on the active
+    driver; else the only libcuda.so.<ver>."""
     if module:
         return module
     linked = {v for link in links
-              if link.name == "libcuda.so.1" and (v := name_version(link.target.name))}
-    if len(linked) == 1:
+              if link.name in ACTIVE_LINKS and (v := name_version(link.target.name))}
+    if len(linked) > 1:
+        die(f"cannot tell the driver version: the staging's {' and '.join(ACTIVE_LINKS)} "
+            f"links point at {', '.join(sorted(linked))} and the kernel module version is "
+            "not readable", hint="fix the host's driver installation (run ldconfig there)")
+    if linked:
         return linked.pop()
     found = {v for lib in libraries
              if lib.name.startswith("libcuda.so.") and (v := name_version(lib.name))}
-    candidates = linked or found
-    if len(candidates) == 1:
-        return candidates.pop()
-    if not candidates:
+    if len(found) == 1:
+        return found.pop()
+    if not found:
         die("no libcuda.so.<version> in any staging dir",
             hint="the host must stage its NVIDIA driver libraries (incomplete driver state)")
-    die(f"cannot tell the driver version: staging holds {', '.join(sorted(candidates))} and "
+    die(f"cannot tell the driver version: staging holds {', '.join(sorted(found))} and "
         "the kernel module version is not readable",
         hint="remove the stale driver on the host, or make /proc/driver/nvidia/version "
              "readable in the machine")
