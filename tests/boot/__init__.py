@@ -1,0 +1,1 @@
+"""Boot tests: a real systemd (Debian trixie) booted in systemd-nspawn with our .deb."""

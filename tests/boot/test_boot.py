@@ -1,0 +1,272 @@
+"""Real boots of a Debian trixie machine (systemd 257) in systemd-nspawn with our .deb
+installed offline, simulated GPU staging and device nodes bound in from the host, and
+stand-in containerd/kubelet services (tests/rootfs.py). See issue 3, point 4.
+
+Every boot and every wait is bounded; timings (setup start -> containerd start) are
+printed and summarised at the end of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .harness import (
+    CONTAINERD,
+    KUBELET,
+    NODE_UNITS,
+    SETUP,
+    Node,
+    NodeFactory,
+    check_json,
+    record_timing,
+    service_events,
+    snapshot,
+    us,
+    wait_node_up,
+)
+from .nspawn import Machine, now_us
+
+MA = "x86_64-linux-gnu"
+DRIVER_ROOT = "/run/nvidia/driver"
+SPEC = "/etc/cdi/nvidia.yaml"
+UP_TIMEOUT = 60.0
+
+
+def assert_gpu_node_ready(
+    m: Machine, node: Node, *, clean_journal: bool = True
+) -> dict[str, dict[str, str]]:
+    """Wait for the node to come up and check the GPU boot contract; the unit snapshot.
+    ``clean_journal``: the setup logged no error in this boot."""
+    snap = wait_node_up(m, UP_TIMEOUT)
+    s, c, k = snap[SETUP], snap[CONTAINERD], snap[KUBELET]
+    assert (s["ActiveState"], s["SubState"], s["Result"]) == ("active", "exited", "success")
+    setup_done = us(s, "ActiveEnterTimestampMonotonic")
+    ctd_start = us(c, "ExecMainStartTimestampMonotonic")
+    kub_start = us(k, "ExecMainStartTimestampMonotonic")
+    assert 0 < us(s, "InactiveExitTimestampMonotonic") <= setup_done
+    assert 0 < setup_done <= ctd_start, "containerd started before the setup finished"
+    assert ctd_start <= kub_start, "kubelet started before containerd"
+    starts = {e.service: e for e in service_events(m, m.started_us or 0) if e.what == "start"}
+    assert starts["containerd"].mono_us >= setup_done
+    assert starts["containerd"].pid == int(c["MainPID"])
+    assert starts["kubelet"].pid == int(k["MainPID"])
+
+    report = check_json(m)
+    assert report["ok"] is True and report["gpu"] is True, report
+    assert report["driver_version"] == node.sim.version
+    libcuda = f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.{node.sim.version}"
+    kind = m.exec("stat", "--format=%F", libcuda).stdout.strip()
+    assert kind == "regular file"
+    link = m.exec("readlink", f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.1").stdout.strip()
+    assert link == f"libcuda.so.{node.sim.version}"
+    spec = m.read_text(SPEC)
+    assert libcuda in spec
+    assert "/run/host-nvidia" not in spec
+    if clean_journal:
+        assert m.journal("--priority=err", "--output=cat", unit=SETUP).strip() == ""
+    return snap
+
+
+def test_gpu_boot(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.machine() as m:
+        snap = assert_gpu_node_ready(m, node)
+        assert snap[SETUP]["NRestarts"] == "0"
+        assert "Ready" in snap[SETUP]["StatusText"], snap[SETUP]["StatusText"]
+        failed = m.systemctl("list-units", "--failed", "--plain", "--no-legend").stdout
+        assert failed.strip() == "", failed
+        record_timing("gpu boot", m, snap)
+
+
+def test_no_gpu_boot(make_node: NodeFactory) -> None:
+    node = make_node(gpu=False)
+    with node.machine() as m:
+        snap = wait_node_up(m, UP_TIMEOUT)
+        s = snap[SETUP]
+        assert (s["ActiveState"], s["SubState"], s["Result"]) == ("active", "exited", "success")
+        assert s["NRestarts"] == "0"
+        assert "No NVIDIA GPU" in s["StatusText"], s["StatusText"]
+        assert not m.exists(DRIVER_ROOT)
+        assert not m.exists(SPEC)
+        report = check_json(m)
+        assert report["ok"] is True and report["gpu"] is False, report
+        record_timing("no-GPU boot", m, snap)
+
+
+def test_late_staging(make_node: NodeFactory) -> None:
+    """Devices present, the library staging dir empty at boot and filled from the host
+    ~8 s later: containerd waits (the setup retries, STATUS= says why), then comes up by
+    itself."""
+    node = make_node(staging_wait_seconds=2)
+    late = node.host / "late-staging-0"
+    late.mkdir()
+    full = node.staging["0"]
+    node.staging["0"] = late
+    with node.machine() as m:
+        m.wait_until(lambda: m.active_state(SETUP) == "activating", timeout=UP_TIMEOUT,
+                     what="setup activating", units=NODE_UNITS)
+        statuses: set[str] = set()
+        status_line = ""  # the `systemctl status` line once it explains the wait
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            snap = snapshot(m)
+            assert snap[CONTAINERD]["ActiveState"] == "inactive", snap
+            assert snap[KUBELET]["ActiveState"] == "inactive", snap
+            assert snap[SETUP]["ActiveState"] == "activating", snap
+            statuses.add(snap[SETUP]["StatusText"])
+            if "staging" not in status_line:
+                out = m.systemctl("status", SETUP).stdout
+                status_line = next((ln for ln in out.splitlines() if "Status:" in ln), "")
+            time.sleep(0.3)
+        assert any("/run/host-nvidia/0" in t and "staging" in t for t in statuses), statuses
+        assert "staging" in status_line and "/run/host-nvidia/0" in status_line, statuses
+        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
+        assert CONTAINERD in jobs and KUBELET in jobs, jobs
+
+        filled_us = now_us()
+        for entry in sorted(full.iterdir()):
+            os.rename(entry, late / entry.name)
+        snap = assert_gpu_node_ready(m, node, clean_journal=False)
+        s = snap[SETUP]
+        assert int(s["NRestarts"]) >= 1, s
+        assert us(s, "ActiveEnterTimestampMonotonic") >= filled_us
+        c = snap[CONTAINERD]
+        assert c["NRestarts"] == "0" and c["Result"] == "success", c
+        assert us(c, "ExecMainStartTimestampMonotonic") >= filled_us
+        errors = m.journal("--priority=warning", "--output=cat", unit=SETUP)
+        assert "staging" in errors, errors
+        wait = (us(c, "ExecMainStartTimestampMonotonic") - filled_us) / 1000
+        record_timing("late staging", m, snap,
+                      note=f"staging completed -> containerd start {wait:.0f} ms")
+
+
+def test_broken_staging_never_heals(make_node: NodeFactory) -> None:
+    """libcuda missing from the staging for good: containerd and kubelet never start,
+    the unit keeps retrying, `systemctl status` and the journal say why in one line."""
+    node = make_node()
+    ver = node.sim.version
+    for name in (f"libcuda.so.{ver}", "libcuda.so.1", "libcuda.so"):
+        (node.sim.lib_dir / name).unlink()
+    assert node.proc_driver  # the kernel module says which driver libcuda must match
+    with node.machine() as m:
+
+        def failed_after_two_restarts() -> dict[str, dict[str, str]] | None:
+            snap = snapshot(m)
+            assert snap[CONTAINERD]["ActiveState"] == "inactive", snap
+            assert snap[KUBELET]["ActiveState"] == "inactive", snap
+            # auto-restart: the 3rd attempt has failed (a starting attempt has no
+            # STATUS= yet: systemd clears it when it starts the process).
+            s = snap[SETUP]
+            done = int(s["NRestarts"] or 0) >= 2 and s["SubState"] == "auto-restart"
+            return snap if done else None
+
+        snap = m.wait_until(failed_after_two_restarts, timeout=90, interval=0.3,
+                            what="3rd failed attempt of the setup", units=NODE_UNITS)
+        s = snap[SETUP]
+        assert s["ActiveState"] == "activating", s
+        for unit in (CONTAINERD, KUBELET):
+            assert snap[unit]["ActiveState"] == "inactive", snap[unit]
+            assert snap[unit]["Result"] == "success", snap[unit]  # not "dependency"
+        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
+        assert CONTAINERD in jobs and KUBELET in jobs, jobs
+        assert "libcuda" in s["StatusText"], s
+        status = m.systemctl("status", SETUP).stdout
+        status_lines = [ln.strip() for ln in status.splitlines() if "Status:" in ln]
+        assert len(status_lines) == 1 and "libcuda" in status_lines[0], status
+        errors = m.journal("--priority=err", "--output=cat", unit=SETUP).splitlines()
+        product_errors = [ln for ln in errors if "libcuda" in ln]
+        assert product_errors, errors
+        # One line per failed attempt, the same line each time.
+        assert len(set(product_errors)) == 1, product_errors
+        assert len(product_errors) >= 2, product_errors
+        assert not m.exists(DRIVER_ROOT)
+        record_timing("broken staging", m, snap, note=f"error: {product_errors[-1]}")
+
+
+def test_manual_restart(make_node: NodeFactory) -> None:
+    """`systemctl restart unbounded-nvidia-setup`: kubelet stops before containerd, the
+    setup reruns, containerd starts before kubelet, all active at the end."""
+    node = make_node()
+    with node.machine() as m:
+        before = assert_gpu_node_ready(m, node)
+        record_timing("restart: first boot", m, before)
+        t0 = now_us()
+        m.systemctl("restart", SETUP, check=True)
+        m.wait_until(
+            lambda: all(m.is_active(u) for u in NODE_UNITS)
+            and m.prop(KUBELET, "MainPID") not in ("0", before[KUBELET]["MainPID"]),
+            timeout=UP_TIMEOUT, what="node up again after the restart", units=NODE_UNITS,
+        )
+        after = assert_gpu_node_ready(m, node)
+        s, c, k = after[SETUP], after[CONTAINERD], after[KUBELET]
+        for unit in (CONTAINERD, KUBELET):
+            assert after[unit]["MainPID"] != before[unit]["MainPID"], unit
+        # Stops: kubelet fully stopped before containerd is asked to stop.
+        assert t0 <= us(k, "ActiveExitTimestampMonotonic")
+        assert us(k, "InactiveEnterTimestampMonotonic") <= us(c, "ActiveExitTimestampMonotonic")
+        # The setup ran again, after containerd was down, and before containerd started.
+        assert us(c, "InactiveEnterTimestampMonotonic") <= us(s, "ExecMainStartTimestampMonotonic")
+        assert us(s, "ActiveEnterTimestampMonotonic") <= us(c, "ExecMainStartTimestampMonotonic")
+        assert us(c, "ExecMainStartTimestampMonotonic") <= us(k, "ExecMainStartTimestampMonotonic")
+        events = [(e.service, e.what) for e in service_events(m, t0) if e.what == "stop"]
+        assert events == [("kubelet", "stop"), ("containerd", "stop")], events
+        gap = (us(c, "ExecMainStartTimestampMonotonic")
+               - us(s, "ExecMainStartTimestampMonotonic")) / 1000
+        record_timing("restart: after `systemctl restart`", m, after,
+                      note=f"rerun setup start -> containerd start {gap:.0f} ms, "
+                      f"restart command -> kubelet start "
+                      f"{(us(k, 'ExecMainStartTimestampMonotonic') - t0) / 1000:.0f} ms")
+
+
+def test_second_boot(make_node: NodeFactory) -> None:
+    """A host reboot: the same rootfs boots again; /run is new, the spec left in /etc is
+    not trusted (here: replaced by a stale one while the machine was down)."""
+    node = make_node()
+    with node.machine() as m:
+        first = assert_gpu_node_ready(m, node)
+        record_timing("second boot: boot 1", m, first)
+    assert m.exit_status == 0, f"no clean poweroff:\n{m.console_tail()}"
+    spec = node.rootfs / SPEC.lstrip("/")
+    assert spec.is_file()
+    stale = spec.read_text().replace(DRIVER_ROOT + "/lib", "/run/host-nvidia/0")
+    assert stale != spec.read_text()
+    spec.write_text(stale)
+    with node.machine() as m:
+        second = assert_gpu_node_ready(m, node)
+        assert second[SETUP]["NRestarts"] == "0"
+        starts = [e for e in service_events(m) if e.what == "start"]
+        assert [e.service for e in starts].count("containerd") == 2, starts
+        record_timing("second boot: boot 2", m, second)
+
+
+def test_upgrade_in_place(make_node: NodeFactory, upgrade_deb: Path) -> None:
+    """`dpkg -i` of a newer build inside the running machine restarts nothing."""
+    node = make_node()
+    with node.machine() as m:
+        assert_gpu_node_ready(m, node)
+        keys = ("MainPID", "ActiveEnterTimestampMonotonic", "NRestarts",
+                "ExecMainStartTimestampMonotonic", "ActiveState", "SubState")
+        before = {u: {k: v for k, v in p.items() if k in keys} for u, p in snapshot(m).items()}
+        events_before = service_events(m)
+        staged = node.rootfs / "var/tmp" / upgrade_deb.name
+        staged.write_bytes(upgrade_deb.read_bytes())
+        old = m.exec("dpkg-query", "--show", "--showformat=${Version}", "unbounded-nvidia-setup")
+        res = m.exec("dpkg", "-i", f"/var/tmp/{upgrade_deb.name}", check=False)
+        assert res.returncode == 0, res.stdout + res.stderr
+        new = m.exec("dpkg-query", "--show", "--showformat=${Version}", "unbounded-nvidia-setup")
+        assert new.stdout != old.stdout and new.stdout.endswith("+boottest1"), new.stdout
+        # Let anything the maintainer scripts queued happen before comparing.
+        m.wait_until(
+            lambda: m.systemctl("list-jobs", "--plain", "--no-legend").stdout.strip() == "",
+            timeout=30, what="no pending jobs", units=NODE_UNITS)
+        time.sleep(2)
+        after = {u: {k: v for k, v in p.items() if k in keys} for u, p in snapshot(m).items()}
+        assert after == before, json.dumps({"before": before, "after": after}, indent=1)
+        assert service_events(m) == events_before
+        enabled = m.systemctl("is-enabled", SETUP).stdout.strip()
+        assert enabled == "enabled", enabled
+        assert m.prop(SETUP, "NeedDaemonReload") == "no"
+        report = check_json(m)
+        assert report["ok"] is True, report
