@@ -28,7 +28,7 @@ class Outcome:
 
     @property
     def errors(self) -> list[str]:
-        return [line for line in self.lines if line.startswith("<3>")]
+        return [line for line in self.lines if line.startswith("error: ")]
 
 
 def invoke(root: Path | None, *args: str, env: dict[str, str] | None = None,
@@ -38,6 +38,7 @@ def invoke(root: Path | None, *args: str, env: dict[str, str] | None = None,
         argv += ["--root", str(root)]
     full_env = {**os.environ, **(env or {})}
     full_env.pop("NOTIFY_SOCKET", None)
+    full_env.pop("JOURNAL_STREAM", None)
     proc = subprocess.run([*argv, *args], capture_output=True, text=True, env=full_env,
                           timeout=timeout, stdin=subprocess.DEVNULL)
     out = Outcome(proc.returncode, proc.stdout, proc.stderr)

@@ -106,7 +106,7 @@ def test_unreadable_staging_dir(live: simgpu.SimMachine, cli: Cli) -> None:
                            sys.executable, "-m", "unbounded_nvidia_setup", "--root",
                            str(live.root), "run"], capture_output=True, text=True)
     live.staging[1].chmod(0o755)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("<3>")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr
     assert "cannot read staging dir" in errors[0] and "Permission denied" in errors[0]
     assert "Traceback" not in proc.stderr
@@ -138,6 +138,7 @@ def test_only_foreign_architecture_libraries(tmp_path: Path, cli: Cli) -> None:
 def test_two_versions_and_no_module_version(live: simgpu.SimMachine, cli: Cli) -> None:
     (live.root / "proc/driver/nvidia/version").unlink()
     (live.staging[0] / "libcuda.so.1").unlink()
+    (live.staging[0] / "libnvidia-ml.so.1").unlink()
     error = fails_cleanly(cli, live, 1, "cannot tell the driver version")
     assert live.version in error and live.stale_versions[0] in error
 

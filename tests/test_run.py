@@ -147,9 +147,26 @@ def test_first_run_builds_a_self_contained_root_and_spec(m: simgpu.SimMachine, c
     assert {"driver_root", "cdi_spec"} <= set(report)
 
 
-def test_log_lines_carry_priority_prefixes(m: simgpu.SimMachine, cli: Cli) -> None:
-    out = cli(m.root, "run")
-    assert out.lines and all(line[:3] in ("<6>", "<5>", "<4>") for line in out.lines)
+def test_log_lines_carry_priority_prefixes_for_the_journal(m: simgpu.SimMachine,
+                                                           tmp_path: Path) -> None:
+    """With stderr on the journal stream (JOURNAL_STREAM names it) every line carries an
+    sd-daemon prefix; elsewhere only errors and warnings are labelled."""
+    import sys
+
+    log_file = tmp_path / "stderr"
+    (m.staging[0] / f"libnvidia-x y.so.{m.version}").write_text("")  # a warning
+    with open(log_file, "w") as f:
+        st = os.fstat(f.fileno())
+        env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root", str(m.root),
+                        "run"], env=env, stderr=f, check=True)
+    lines = log_file.read_text().splitlines()
+    assert lines and all(line[:3] in ("<6>", "<5>", "<4>") for line in lines)
+    assert any(line.startswith("<4>ignoring") for line in lines)
+    proc = subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
+                           str(m.root), "run"], env=env, capture_output=True, text=True)
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("<")]
+    assert any(line.startswith("warning: ignoring") for line in proc.stderr.splitlines())
 
 
 def test_stale_driver_and_unrelated_files_stay_out(m: simgpu.SimMachine, cli: Cli) -> None:
@@ -373,6 +390,10 @@ def test_refuses_to_swap_under_running_containerd(m: simgpu.SimMachine, cli: Cli
     assert cli(m.root, "run", "--force").code == 0
     # Nothing to swap: no refusal.
     assert cli(m.root, "run").code == 0
+    out = cli(m.root, "clean")
+    assert out.code == 1 and "removing" in out.errors[0] and os.path.lexists(root_of(m))
+    assert cli(m.root, "clean", "--force").code == 0
+    assert not os.path.lexists(root_of(m))
 
 
 def test_hook_flags_follow_the_nvidia_ctk_version(m: simgpu.SimMachine, cli: Cli,

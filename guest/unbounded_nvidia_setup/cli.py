@@ -104,9 +104,11 @@ def status(ctx: click.Context) -> None:
 
 
 @cli.command()
+@click.option("--force", is_flag=True,
+              help="Remove the driver root even while containerd or kubelet run.")
 @click.pass_context
-def clean(ctx: click.Context) -> None:
+def clean(ctx: click.Context, force: bool) -> None:
     """Remove the driver root, the CDI spec and the ld.so.conf drop-in."""
     from .reconcile import clean as do_clean
 
-    _guarded(lambda: do_clean(_machine(ctx)))
+    _guarded(lambda: do_clean(_machine(ctx), force=force))

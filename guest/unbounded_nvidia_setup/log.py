@@ -1,7 +1,8 @@
 """Log lines for journald, systemd STATUS=, and the single way out for user-facing errors.
 
-Every message is one line. When stderr is not a terminal (the journal, a pipe) lines carry
-sd-daemon priority prefixes (`<3>` … `<7>`) so journald files them at the right level.
+Every message is one line. When stderr is the journal (a service under systemd) lines carry
+sd-daemon priority prefixes (`<3>` … `<7>`) so journald files them at the right level;
+elsewhere errors and warnings are labelled for people.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ _LABELS = {ERR: "error: ", WARNING: "warning: "}
 
 _verbose = False
 _notifier: Any = None
+_journal: bool | None = None
 
 
 class Failure(Exception):
@@ -47,14 +49,29 @@ def one_line(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
+def stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM=<dev>:<inode> for a service whose stderr is the journal
+    (sd_journal_stream_fd(3)); a child with redirected stderr inherits the variable, so the
+    descriptor itself is compared."""
+    global _journal
+    if _journal is None:
+        try:
+            dev, ino = (int(part) for part in os.environ["JOURNAL_STREAM"].split(":"))
+            st = os.fstat(sys.stderr.fileno())
+            _journal = (st.st_dev, st.st_ino) == (dev, ino)
+        except (KeyError, ValueError, OSError):
+            _journal = False
+    return _journal
+
+
 def log(priority: int, message: str) -> None:
     if priority == DEBUG and not _verbose:
         return
     line = one_line(message)
-    if sys.stderr.isatty():
-        sys.stderr.write(f"{_LABELS.get(priority, '')}{line}\n")
-    else:
+    if stderr_is_journal():
         sys.stderr.write(f"<{priority}>{line}\n")
+    else:
+        sys.stderr.write(f"{_LABELS.get(priority, '')}{line}\n")
     sys.stderr.flush()
 
 

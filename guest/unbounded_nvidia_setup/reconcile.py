@@ -79,8 +79,18 @@ def remove_state(machine: Machine) -> list[Path]:
     return removed
 
 
-def clean(machine: Machine) -> None:
+def refuse_if_consumers(machine: Machine, what: str, force: bool) -> None:
+    busy = running_consumers(machine)
+    if busy and not force:
+        die(f"{' and '.join(busy)} running: {what} would change the driver under running pods",
+            hint="run `systemctl restart unbounded-nvidia-setup` (it stops kubelet and "
+                 "containerd first), or pass --force")
+
+
+def clean(machine: Machine, *, force: bool = False) -> None:
     with locked(machine):
+        if os.path.lexists(machine.driver_root):
+            refuse_if_consumers(machine, f"removing {machine.driver_root}", force)
         try:
             removed = remove_state(machine)
         except OSError as e:
@@ -152,11 +162,7 @@ def _reconcile(machine: Machine, force: bool) -> None:
 def _build_and_swap(machine: Machine, plan: Plan, want: Manifest, force: bool) -> Path | None:
     """Build and verify a new generation, make it live; returns the old generation."""
     live = machine.driver_root
-    busy = running_consumers(machine)
-    if busy and not force:
-        die(f"{' and '.join(busy)} running: swapping {live} now would change the driver "
-            "under running pods", hint="run `systemctl restart unbounded-nvidia-setup` "
-            "(it stops kubelet and containerd first), or pass --force")
+    refuse_if_consumers(machine, f"swapping {live} now", force)
     log.status(f"Building driver root for driver {plan.version} ({len(plan.files)} files)")
     new = tree.build(plan, live.parent)
     difference = tree.describe_difference(want, tree.manifest(new))
