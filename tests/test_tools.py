@@ -24,6 +24,12 @@ def machine(tmp_path: Path) -> Machine:
                                            nvidia_ctk_args=("--mode=management",)))
 
 
+def find_ctk(machine: Machine) -> cdi.Ctk:
+    exe, probe = cdi.version_probe(machine)
+    with probe:
+        return cdi.parse_version(exe, probe.wait())
+
+
 @pytest.mark.parametrize("output,expect", [
     ("NVIDIA Container Toolkit CLI version 1.20.0\ncommit: abc\n", (1, 20, 0)),
     ("NVIDIA Container Toolkit CLI version 1.17.8\ncommit: abc\n", (1, 17, 8)),
@@ -32,7 +38,7 @@ def machine(tmp_path: Path) -> Machine:
 def test_ctk_version(machine: Machine, fp: FakeProcess, output: str,
                      expect: tuple[int, int, int]) -> None:
     fp.register([machine.config.nvidia_ctk, "--version"], stdout=output)
-    assert cdi.find_ctk(machine).version == expect
+    assert find_ctk(machine).version == expect
 
 
 @pytest.mark.parametrize("output,code", [("garbage\n", 0), ("", 1)])
@@ -40,7 +46,7 @@ def test_ctk_version_unusable(machine: Machine, fp: FakeProcess, output: str,
                               code: int) -> None:
     fp.register([machine.config.nvidia_ctk, "--version"], stdout=output, returncode=code)
     with pytest.raises(Failure, match="cannot tell the version"):
-        cdi.find_ctk(machine)
+        find_ctk(machine)
 
 
 def test_hook_flags_only_from_1_18(machine: Machine) -> None:

@@ -11,7 +11,7 @@ from . import log
 from .config import Machine
 from .ldconf import write_atomically
 from .log import die
-from .run import find_program, run
+from .run import Result, Started, find_program, run, start
 from .spec import KIND, spec_problems
 from .tree import remove_tree
 
@@ -29,10 +29,14 @@ class Ctk:
     version: tuple[int, int, int]
 
 
-def find_ctk(machine: Machine) -> Ctk:
-    """nvidia-ctk and its version, found before anything live changes."""
+def version_probe(machine: Machine) -> tuple[str, Started]:
+    """Start `nvidia-ctk --version`: it runs while the driver root is built, and its answer
+    is needed before anything live changes."""
     exe = find_program(machine.config.nvidia_ctk, "nvidia_ctk")
-    result = run([exe, "--version"], timeout=machine.config.nvidia_ctk_timeout_seconds)
+    return exe, start([exe, "--version"], timeout=machine.config.nvidia_ctk_timeout_seconds)
+
+
+def parse_version(exe: str, result: Result) -> Ctk:
     m = _VERSION.search(result.stdout)
     if not result.ok or not m:
         die(f"cannot tell the version of {exe} ({result.why() if not result.ok else 'no version'})",

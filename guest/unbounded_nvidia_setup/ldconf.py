@@ -10,7 +10,7 @@ from pathlib import Path
 from . import log
 from .config import Machine
 from .log import die
-from .run import find_program, run
+from .run import Result, Started, find_program, start
 
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
 
@@ -49,13 +49,16 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool =
     return True
 
 
-def install_dropin(machine: Machine) -> None:
+def install_dropin(machine: Machine) -> bool:
+    """Write the drop-in; True when it was not there before."""
     path = machine.ldconf_dropin
+    existed = path.exists()
     try:
         if write_atomically(path, dropin_text(machine).encode()):
             log.info(f"wrote {path}")
     except OSError as e:
         die(f"cannot write {path}: {e.strerror}", hint="/etc must be writable for root")
+    return not existed
 
 
 def legacy_links(machine: Machine) -> list[Path]:
@@ -85,9 +88,17 @@ def remove_legacy_links(machine: Machine) -> None:
         log.info(f"removed legacy link {path} (pointed into {machine.staging_parent})")
 
 
-def run_ldconfig(machine: Machine) -> None:
+def start_ldconfig(machine: Machine) -> Started:
     ldconfig = find_program(machine.config.ldconfig, "ldconfig")
     argv = [ldconfig] if machine.is_live else [ldconfig, "-r", str(machine.root)]
-    result = run(argv, timeout=120)
+    return start(argv, timeout=120)
+
+
+def check_ldconfig(result: Result) -> None:
     if not result.ok:
         die(f"ldconfig failed ({result.why()})", hint="check /etc/ld.so.conf.d and disk space")
+
+
+def run_ldconfig(machine: Machine) -> None:
+    with start_ldconfig(machine) as started:
+        check_ldconfig(started.wait())

@@ -9,7 +9,7 @@ from pathlib import Path
 from . import cdi, discover, driver, ldconf, log, tree
 from .config import Machine
 from .lock import locked
-from .log import EXIT_TEMPFAIL, die
+from .log import EXIT_TEMPFAIL, Failure, die
 from .plan import Manifest, Plan
 from .run import find_program
 from .verify import root_problems
@@ -121,46 +121,69 @@ def _reconcile(machine: Machine, force: bool) -> None:
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
     plan = driver.resolve(machine, dirs, module)
 
-    # Everything the steps below need is found before anything live changes.
-    ctk = cdi.find_ctk(machine)
-    find_program(machine.config.ldconfig, "ldconfig")
-
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
     tree.remove_leftovers(live.parent)
     want = plan.manifest()
-    swapped, old = False, None
-    if tree.manifest(live) == want:
-        log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
-    else:
-        old = _build_and_swap(machine, plan, want, force)
-        swapped = True
+    # nvidia-ctk and ldconfig are found (and nvidia-ctk's version asked) before anything
+    # live changes; the version answer arrives while the new generation is built.
+    exe, probe = cdi.version_probe(machine)
+    with probe:
+        find_program(machine.config.ldconfig, "ldconfig")
+        new = None
+        if tree.manifest(live) == want:
+            log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
+        else:
+            new = _build(machine, plan, want, force)
+        try:
+            ctk = cdi.parse_version(exe, probe.wait())
+        except BaseException:
+            if new is not None:
+                tree.remove_tree(new)
+            raise
+    swapped = new is not None
+    old = tree.swap(new, live) if new is not None else None
 
     # The spec is made for the new root before the old one is deleted: when nvidia-ctk
-    # fails, the previous root and spec stay live together.
+    # fails, the previous root and spec stay live together. ldconfig, which only reads
+    # the root, runs meanwhile.
     log.status("Generating the CDI spec")
     helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
+    new_dropin = False
     try:
-        cdi.install(machine, cdi.generate(machine, ctk, plan.version, helpers))
+        new_dropin = ldconf.install_dropin(machine)
+        ldconf.remove_legacy_links(machine)
+        with ldconf.start_ldconfig(machine) as ldconfig:
+            spec = cdi.generate(machine, ctk, plan.version, helpers)
+            ldconf.check_ldconfig(ldconfig.wait())
+        cdi.install(machine, spec)
     except BaseException:
         if swapped:
             tree.unswap(live, old)
+            if new_dropin and old is None:
+                machine.ldconf_dropin.unlink()
+            _best_effort_ldconfig(machine)
         raise
     cdi.remove_shadow(machine)
     if old is not None:
         tree.remove_tree(old)
     if swapped:
         log.info(f"driver root {live} now holds driver {plan.version}")
-
-    ldconf.install_dropin(machine)
-    ldconf.remove_legacy_links(machine)
-    ldconf.run_ldconfig(machine)
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
 
 
-def _build_and_swap(machine: Machine, plan: Plan, want: Manifest, force: bool) -> Path | None:
-    """Build and verify a new generation, make it live; returns the old generation."""
+def _best_effort_ldconfig(machine: Machine) -> None:
+    """After a rollback the linker cache should name the old generation's files again;
+    the run is failing already, so a second failure here only gets logged."""
+    try:
+        ldconf.run_ldconfig(machine)
+    except Failure as e:
+        log.warn(f"after rolling back: {e.message}")
+
+
+def _build(machine: Machine, plan: Plan, want: Manifest, force: bool) -> Path:
+    """Build and verify a new generation next to the live root."""
     live = machine.driver_root
     refuse_if_consumers(machine, f"swapping {live} now", force)
     log.status(f"Building driver root for driver {plan.version} ({len(plan.files)} files)")
@@ -173,4 +196,4 @@ def _build_and_swap(machine: Machine, plan: Plan, want: Manifest, force: bool) -
         what = problems[0].message if problems else difference
         die(f"the new driver root failed verification ({what})",
             hint="this is a bug; the live root was left as it was")
-    return tree.swap(new, live)
+    return new

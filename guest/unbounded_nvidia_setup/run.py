@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 
 from . import log
@@ -46,28 +48,64 @@ def find_program(name: str, config_key: str) -> str:
     return path
 
 
+class Started:
+    """A program started in the background; wait() collects it. Used as a context
+    manager, a program not waited for (the caller failed meanwhile) is killed."""
+
+    def __init__(self, argv: list[str], timeout: float) -> None:
+        log.info(f"running: {shlex.join(argv)}")
+        self.argv = argv
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self.result: Result | None = None
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
+        except OSError as e:
+            die(f"cannot run {argv[0]}: {e.strerror}", hint="check that it is installed")
+
+    def wait(self) -> Result:
+        if self.result is not None:
+            return self.result
+        remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            out, err = self.proc.communicate(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            die(f"{self.argv[0]} did not finish within {self.timeout:g} s",
+                hint="check the program; the timeout is configurable")
+        for line in err.splitlines():
+            log.debug(f"{os.path.basename(self.argv[0])}: {line}")
+        self.result = Result(self.argv, self.proc.returncode, out, err)
+        return self.result
+
+    def kill(self) -> None:
+        # The whole group: a program's own children must not outlive it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate()
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.result is None:
+            self.kill()
+
+
+def start(argv: list[str], *, timeout: float) -> Started:
+    """Start `argv`; its whole process group is killed when `timeout` passes."""
+    return Started(argv, timeout)
+
+
 def run(argv: list[str], *, timeout: float) -> Result:
     """Run `argv` to completion; kill its whole process group when `timeout` passes."""
-    log.info(f"running: {shlex.join(argv)}")
-    try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
-    except OSError as e:
-        die(f"cannot run {argv[0]}: {e.strerror}", hint="check that it is installed")
-    try:
-        out, err = proc.communicate(timeout=timeout or None)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        die(f"{argv[0]} did not finish within {timeout:g} s",
-            hint="check the program; the timeout is configurable")
-    for line in err.splitlines():
-        log.debug(f"{os.path.basename(argv[0])}: {line}")
-    return Result(argv=argv, returncode=proc.returncode, stdout=out, stderr=err)
+    with start(argv, timeout=timeout) as started:
+        return started.wait()
