@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import log
-from .config import Machine
+from .config import Machine, load_yaml
 from .ldconf import write_atomically
 from .log import die
 from .run import Result, Started, find_program, run, start
@@ -81,7 +81,7 @@ def generate(machine: Machine, ctk: Ctk, driver_version: str, helpers: tuple[str
     import yaml
 
     try:
-        doc = yaml.safe_load(data)
+        doc = load_yaml(data)
     except yaml.YAMLError:
         die("nvidia-ctk wrote a spec that is not valid YAML; it was not installed",
             hint="check the NVIDIA Container Toolkit version")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import discover, driver, ldconf, tree
-from .config import Machine
+from .config import Machine, load_yaml
 from .log import Failure
 from .spec import KIND, Problem, device_names, spec_problems
 from .verify import root_problems, root_version
@@ -44,7 +44,7 @@ def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
     import yaml
 
     try:
-        return (json.loads(text) if as_json else yaml.safe_load(text)), None
+        return (json.loads(text) if as_json else load_yaml(text)), None
     except (ValueError, yaml.YAMLError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return None, f"does not parse: {first}"

@@ -98,13 +98,21 @@ def load_config(root: Path, explicit: Path | None) -> tuple[Config, Path]:
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         die(f"config file {path} is not valid YAML{where}", hint="fix its syntax",
             code=EXIT_USAGE)
     return parse_config(data, path), path
+
+
+def load_yaml(text: str | bytes) -> Any:
+    """yaml.safe_load, with libyaml's parser when PyYAML has it (several times faster on
+    the ~40-mount specs read on every boot)."""
+    import yaml
+
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def under(root: Path, path: str) -> Path:

@@ -115,32 +115,19 @@ def _reconcile(machine: Machine, force: bool) -> None:
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
 
-    module = discover.module_version(machine)
-    log.info(f"kernel module version: {module or 'not readable'}")
-    dirs = wait_for_staging(machine)
-    log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
-    plan = driver.resolve(machine, dirs, module)
-
-    live = machine.driver_root
-    tree.ensure_parent(machine.root, live.parent)
-    tree.remove_leftovers(live.parent)
-    want = plan.manifest()
-    # nvidia-ctk and ldconfig are found (and nvidia-ctk's version asked) before anything
-    # live changes; the version answer arrives while the new generation is built.
+    # nvidia-ctk and ldconfig are found, and nvidia-ctk's version asked, before anything
+    # live changes; the answer arrives while the staging is resolved and the root built.
     exe, probe = cdi.version_probe(machine)
     with probe:
         find_program(machine.config.ldconfig, "ldconfig")
-        new = None
-        if tree.manifest(live) == want:
-            log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
-        else:
-            new = _build(machine, plan, want, force)
+        plan, want, new = _resolve_and_build(machine, force)
         try:
             ctk = cdi.parse_version(exe, probe.wait())
         except BaseException:
             if new is not None:
                 tree.remove_tree(new)
             raise
+    live = machine.driver_root
     swapped = new is not None
     old = tree.swap(new, live) if new is not None else None
 
@@ -171,6 +158,23 @@ def _reconcile(machine: Machine, force: bool) -> None:
         log.info(f"driver root {live} now holds driver {plan.version}")
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
+
+
+def _resolve_and_build(machine: Machine, force: bool) -> tuple[Plan, Manifest, Path | None]:
+    """The plan, its manifest, and a verified new generation when the live root differs."""
+    module = discover.module_version(machine)
+    log.info(f"kernel module version: {module or 'not readable'}")
+    dirs = wait_for_staging(machine)
+    log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
+    plan = driver.resolve(machine, dirs, module)
+    live = machine.driver_root
+    tree.ensure_parent(machine.root, live.parent)
+    tree.remove_leftovers(live.parent)
+    want = plan.manifest()
+    if tree.manifest(live) == want:
+        log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
+        return plan, want, None
+    return plan, want, _build(machine, plan, want, force)
 
 
 def _best_effort_ldconfig(machine: Machine) -> None:
