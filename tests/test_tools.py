@@ -25,9 +25,8 @@ def machine(tmp_path: Path) -> Machine:
 
 
 def find_ctk(machine: Machine) -> cdi.Ctk:
-    exe, probe = cdi.version_probe(machine)
-    with probe:
-        return cdi.parse_version(exe, probe.wait())
+    with cdi.Generator(machine) as generator:
+        return generator.version()
 
 
 @pytest.mark.parametrize("output,expect", [

@@ -116,41 +116,43 @@ def _reconcile(machine: Machine, force: bool) -> None:
         return
 
     # nvidia-ctk and ldconfig are found, and nvidia-ctk's version asked, before anything
-    # live changes; the answer arrives while the staging is resolved and the root built.
-    exe, probe = cdi.version_probe(machine)
-    with probe:
+    # live changes; the answers arrive while the staging is resolved and the root built.
+    with cdi.Generator(machine) as generator:
         find_program(machine.config.ldconfig, "ldconfig")
         plan, want, new = _resolve_and_build(machine, force)
         try:
-            ctk = cdi.parse_version(exe, probe.wait())
+            ctk = generator.version()
         except BaseException:
             if new is not None:
                 tree.remove_tree(new)
             raise
-    live = machine.driver_root
-    swapped = new is not None
-    old = tree.swap(new, live) if new is not None else None
+        live = machine.driver_root
+        swapped = new is not None
+        old = None
+        if new is not None:
+            generator.discard_early()
+            old = tree.swap(new, live)
 
-    # The spec is made for the new root before the old one is deleted: when nvidia-ctk
-    # fails, the previous root and spec stay live together. ldconfig, which only reads
-    # the root, runs meanwhile.
-    log.status("Generating the CDI spec")
-    helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
-    new_dropin = False
-    try:
-        new_dropin = ldconf.install_dropin(machine)
-        ldconf.remove_legacy_links(machine)
-        with ldconf.start_ldconfig(machine) as ldconfig:
-            spec = cdi.generate(machine, ctk, plan.version, helpers)
-            ldconf.check_ldconfig(ldconfig.wait())
-        cdi.install(machine, spec)
-    except BaseException:
-        if swapped:
-            tree.unswap(live, old)
-            if new_dropin and old is None:
-                machine.ldconf_dropin.unlink()
-            _best_effort_ldconfig(machine)
-        raise
+        # The spec is made for the new root before the old one is deleted: when
+        # nvidia-ctk fails, the previous root and spec stay live together. ldconfig,
+        # which only reads the root, runs meanwhile.
+        log.status("Generating the CDI spec")
+        helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
+        new_dropin = False
+        try:
+            new_dropin = ldconf.install_dropin(machine)
+            ldconf.remove_legacy_links(machine)
+            with ldconf.start_ldconfig(machine) as ldconfig:
+                spec = generator.spec(ctk, plan.version, helpers)
+                ldconf.check_ldconfig(ldconfig.wait())
+            cdi.install(machine, spec)
+        except BaseException:
+            if swapped:
+                tree.unswap(live, old)
+                if new_dropin and old is None:
+                    machine.ldconf_dropin.unlink()
+                _best_effort_ldconfig(machine)
+            raise
     cdi.remove_shadow(machine)
     if old is not None:
         tree.remove_tree(old)
