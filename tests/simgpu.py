@@ -1,7 +1,7 @@
 """Simulated GPU machines for tests: a directory used as ``--root DIR`` by the product.
 
 Everything that looks like an ELF object here is a REAL one built by gcc (except where
-a function says it is hand-made), so the product's pyelftools code, ``ldconfig -r`` and
+a function says it is hand-made), so the product's ELF reader, ``ldconfig -r`` and
 the nvidia-ctk stand-in all see genuine shared objects with genuine DT_SONAMEs.
 
 Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version)::

@@ -1,0 +1,109 @@
+"""The struct-based ELF reader against pyelftools, on real objects: gcc-built ones, the
+real NVIDIA driver files (amd64 and arm64), this machine's own libraries, and every
+truncation of a real shared object."""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from elftools.common.exceptions import ELFError
+from elftools.elf.dynamic import DynamicSegment
+from elftools.elf.elffile import ELFFile
+
+from unbounded_nvidia_setup.elf import CorruptElf, ElfInfo, read_elf
+
+import realdriver
+import simgpu
+
+
+def reference(data: bytes) -> tuple[int, str | None] | None:
+    """(class, DT_SONAME) as pyelftools reads them; None when not ELF."""
+    if data[:4] != b"\x7fELF":
+        return None
+    elf = ELFFile(io.BytesIO(data))
+    soname = None
+    for segment in elf.iter_segments():
+        if isinstance(segment, DynamicSegment):
+            for tag in segment.iter_tags("DT_SONAME"):
+                soname = str(getattr(tag, "soname", ""))
+    return elf.elfclass, soname
+
+
+def mine(data: bytes) -> ElfInfo | None:
+    return read_elf(io.BytesIO(data))
+
+
+def corpus(tmp_path: Path) -> list[Path]:
+    files = []
+    for soname in ("libcuda.so.1", "libnvidia-ml.so.1", None):
+        out = tmp_path / f"{soname}.so"
+        simgpu.compile_so(out, soname)
+        files.append(out)
+    simgpu.compile_exe(tmp_path / "exe")
+    simgpu.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
+    simgpu.elf32_so(tmp_path / "32.so", "libcuda.so.1")
+    files += [tmp_path / "exe", tmp_path / "arm.so", tmp_path / "32.so"]
+    for arch in ("amd64", "arm64"):
+        try:
+            drv = realdriver.fetch_real_driver(arch)
+        except realdriver.RealDriverUnavailable:
+            if os.environ.get("CI"):
+                raise
+            continue
+        files += drv.libraries + drv.helpers
+    files += [Path(p) for p in sorted(glob.glob("/usr/lib/x86_64-linux-gnu/lib*.so.*"))[:200]
+              if not os.path.islink(p)]
+    return files
+
+
+def test_same_answers_as_pyelftools(tmp_path: Path) -> None:
+    checked = 0
+    for path in corpus(tmp_path):
+        data = path.read_bytes()
+        want = reference(data)
+        got = mine(data)
+        if want is None:
+            assert got is None, path
+            continue
+        assert got is not None and got.bits == want[0], path
+        if got.bits == 64 and got.machine in ("x86_64", "aarch64"):
+            assert got.soname == want[1], path
+        checked += 1
+    assert checked > 20
+
+
+def test_every_truncation_is_corrupt_or_consistent(tmp_path: Path) -> None:
+    """Cut a real shared object at every length: the reader either says CorruptElf or
+    gives the full file's answer (when the cut leaves everything it reads) — never
+    another exception and never a wrong SONAME."""
+    simgpu.compile_so(tmp_path / "a.so", "libnvidia-cut.so.1")
+    data = (tmp_path / "a.so").read_bytes()
+    full = mine(data)
+    assert full is not None and full.soname == "libnvidia-cut.so.1"
+    for length in range(0, len(data), 7):
+        cut = data[:length]
+        try:
+            got = mine(cut)
+        except CorruptElf:
+            continue
+        if length < 4:
+            assert got is None
+        else:
+            assert got == full or (got is not None and got.soname is None), length
+
+
+X86_64_DYN = b"\x7fELF\x02\x01\x01" + b"\0" * 9 + struct.pack("<HH", 3, 62)
+
+
+@pytest.mark.parametrize("garbage", [b"\x7fELF", b"\x7fELF" + b"\x09" * 60,
+                                     X86_64_DYN + b"\xff" * 100, X86_64_DYN])
+def test_garbage_after_the_magic_is_corrupt(garbage: bytes) -> None:
+    with pytest.raises(CorruptElf):
+        mine(garbage)
+    with pytest.raises(ELFError):
+        reference(garbage)
