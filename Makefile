@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: all venv deps demo test lint unit clean deb
+.PHONY: all venv deps demo test lint unit clean deb bench
 
 all: test
 
@@ -24,11 +24,16 @@ demo: venv deps
 	$(BIN)/python tests/demo.py
 
 lint: venv
-	$(BIN)/ruff check guest tests
+	$(BIN)/ruff check guest tests bench
 	$(BIN)/mypy
 
 test: venv deps lint
 	$(BIN)/pytest
+
+# Performance benchmark (needs root; docs/performance.md): prints one summary line and
+# writes bench/results.{json,md}. `$(BIN)/python bench/run.py --profile` shows the costs.
+bench: venv deps
+	$(BIN)/python bench/run.py
 
 # The Debian package (docs/packaging.md): dist/unbounded-nvidia-setup_$(VERSION)_all.deb.
 # VERSION defaults to the pyproject version (`make deb VERSION=0.1.0+1` builds a newer
