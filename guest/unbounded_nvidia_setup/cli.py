@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -77,6 +76,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
         with locked(machine, exclusive=False):
             report = collect(machine)
         if as_json:
+            import json
+
             click.echo(json.dumps(report.to_json(), indent=2))
         else:
             for p in report.problems:

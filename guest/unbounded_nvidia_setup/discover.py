@@ -251,13 +251,28 @@ class Inspected:
 
 
 def open_regular(path: Path) -> int:
-    """Open a staged file for reading without following a final link and without blocking
-    on a FIFO; raises OSError, or ValueError when it is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError("not a regular file")
-    return fd
+    """Open a staged file for reading without following a final link, and without ever
+    opening anything that is not a regular file: opening a device node runs its driver's
+    open (a watchdog starts counting, a tape rewinds), a FIFO can block or wake a writer.
+    The name is opened with O_PATH (which does none of that), checked with fstat, and
+    only a regular file is reopened for reading through /proc/self/fd: the same inode,
+    not the name again. Raises OSError, or ValueError when it is not a regular file."""
+    handle = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(handle)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        try:
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # no /proc: open the name again, then compare
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            again = os.fstat(fd)
+            if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)
+                raise ValueError("replaced while being opened") from None
+            return fd
+    finally:
+        os.close(handle)
 
 
 def inspect(staged: Staged) -> Inspected | None:

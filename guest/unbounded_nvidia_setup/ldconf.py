@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from . import log
@@ -28,7 +27,12 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool =
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # A run killed between writing and renaming left its temp file: remove it (we hold
+    # the lock, so no other writer's is among them).
+    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+    tmp = path.parent / f".{path.name}.{os.urandom(6).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

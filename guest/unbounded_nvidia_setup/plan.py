@@ -9,7 +9,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .discover import VDPAU, VERSION_SUFFIX, Inspected, Link, Staged
+from . import log
+from .discover import SAFE_NAME, VDPAU, VERSION_SUFFIX, Inspected, Link, Staged
 from .log import die
 
 LIBRARY_MODE = 0o644
@@ -78,13 +79,35 @@ def _usable(item: Inspected, arch: str, kinds: tuple[str, ...]) -> bool:
     return elf is not None and elf.bits == 64 and elf.machine == arch and elf.kind in kinds
 
 
+def _stem(name: str) -> str:
+    return name.split(".so", 1)[0]
+
+
+def own_soname(item: Inspected) -> bool:
+    """False when a library's DT_SONAME is not a plain name of that same library. The
+    SONAME becomes a link name in the root, so `../../etc/x` would put a link outside it;
+    and a SONAME naming another library (`libc.so.6`, `libcuda.so.1` in
+    libnvidia-x.so.<ver>) would put a foreign link in the root or shadow the real one.
+    No NVIDIA library does either."""
+    soname = item.elf.soname if item.elf else None
+    return soname is None or (SAFE_NAME.fullmatch(soname) is not None
+                              and soname not in (".", "..")
+                              and _stem(soname) == _stem(item.name))
+
+
 def select_libraries(inspected: Iterable[Inspected], links: Iterable[Link], version: str,
                      arch: str) -> list[Inspected]:
     """One file per SONAME: the one named for the driver version, else the one the staging
-    dir's SONAME link points at; a choice still open is an error."""
+    dir's SONAME link points at; a choice still open is an error. A library whose SONAME
+    is not its own (see own_soname) is left out with a warning."""
     groups: dict[tuple[str, str], list[Inspected]] = defaultdict(list)
     for item in inspected:
         if _usable(item, arch, ("ET_DYN",)):
+            if not own_soname(item):
+                assert item.elf is not None
+                log.warn(f"ignoring {item.staged.path}: its DT_SONAME "
+                         f"{item.elf.soname!r} is not a name of this library")
+                continue
             assert item.elf is not None
             groups[(item.staged.subdir, item.elf.soname or item.name)].append(item)
     linked = {(link.subdir, link.name, link.target) for link in links}
@@ -145,7 +168,8 @@ def make_plan(libraries: list[Inspected], helpers: list[Inspected],
     for lib in libraries:
         where = f"{libdir}/{VDPAU}" if lib.staged.subdir == VDPAU else libdir
         soname = lib.elf.soname if lib.elf else None
-        if soname and soname != lib.name and f"{where}/{soname}" not in files:
+        if (soname and soname != lib.name and own_soname(lib)
+                and f"{where}/{soname}" not in files):
             links[f"{where}/{soname}"] = lib.name
     for name, soname in LINKER_NAMES.items():
         if f"{libdir}/{soname}" in links or f"{libdir}/{soname}" in files:

@@ -115,17 +115,10 @@ def _reconcile(machine: Machine, force: bool) -> None:
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
 
-    # nvidia-ctk and ldconfig are found, and nvidia-ctk's version asked, before anything
-    # live changes; the answers arrive while the staging is resolved and the root built.
+    # nvidia-ctk and ldconfig are found before anything live changes.
     with cdi.Generator(machine) as generator:
         find_program(machine.config.ldconfig, "ldconfig")
         plan, want, new = _resolve_and_build(machine, force)
-        try:
-            ctk = generator.version()
-        except BaseException:
-            if new is not None:
-                tree.remove_tree(new)
-            raise
         live = machine.driver_root
         swapped = new is not None
         old = None
@@ -143,7 +136,7 @@ def _reconcile(machine: Machine, force: bool) -> None:
             new_dropin = ldconf.install_dropin(machine)
             ldconf.remove_legacy_links(machine)
             with ldconf.start_ldconfig(machine) as ldconfig:
-                spec = generator.spec(ctk, plan.version, helpers)
+                spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
             cdi.install(machine, spec)
         except BaseException:

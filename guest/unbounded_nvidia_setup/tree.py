@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
-import secrets
 import shutil
 import stat
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -164,8 +164,9 @@ def _copy_fd(fd_in: int, fd_out: int, size: int) -> int:
 def build(plan: Plan, parent: Path) -> Path:
     """A complete new generation in `parent` (the live root's directory, so the swap is a
     rename on one filesystem). On any error nothing is left behind."""
+    new = generation_path(parent)
     try:
-        new = Path(tempfile.mkdtemp(prefix=GENERATION_PREFIX, dir=parent))
+        os.mkdir(new, 0o700)
     except OSError as e:
         _die_for(e, parent)
     try:
@@ -175,13 +176,8 @@ def build(plan: Plan, parent: Path) -> Path:
         as_root = os.geteuid() == 0
         # Largest first keeps both cores busy to the end.
         files = sorted(plan.files, key=lambda f: -f.source.size)
-        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-            try:
-                for future in [pool.submit(_copy, f, new / f.dest, as_root) for f in files]:
-                    future.result()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+        _in_parallel([functools.partial(_copy, f, new / f.dest, as_root) for f in files],
+                     workers=max(2, os.cpu_count() or 1))
         for path, target in plan.links:
             os.symlink(target, new / path)
         for directory, _, _ in os.walk(new):
@@ -193,6 +189,40 @@ def build(plan: Plan, parent: Path) -> Path:
         remove_tree(new)
         raise
     return new
+
+
+def generation_path(parent: Path) -> Path:
+    """A fresh name for a generation next to the live root (`.driver.<random>`)."""
+    return parent / f"{GENERATION_PREFIX}{os.urandom(6).hex()}"
+
+
+def _in_parallel(jobs: list[Callable[[], None]], workers: int) -> None:
+    """Run `jobs` on `workers` threads, in order; after the first failure no new job
+    starts, and that failure is raised once the running ones are done. (Plain threads:
+    concurrent.futures would import logging on the boot path.)"""
+    pending = list(reversed(jobs))
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if failures or not pending:
+                    return
+                job = pending.pop()
+            try:
+                job()
+            except BaseException as e:  # re-raised in the caller's thread
+                with lock:
+                    failures.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(min(workers, len(jobs)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
 
 
 def _die_for(e: OSError, parent: Path) -> NoReturn:
@@ -238,6 +268,6 @@ def unswap(live: Path, old: Path | None) -> None:
         _renameat2_exchange(old, live)
         remove_tree(old)
         return
-    doomed = live.parent / f"{GENERATION_PREFIX}{secrets.token_hex(4)}"
+    doomed = generation_path(live.parent)
     os.rename(live, doomed)
     remove_tree(doomed)
