@@ -7,6 +7,7 @@ elsewhere errors and warnings are labelled for people.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, NoReturn
@@ -68,11 +69,12 @@ def log(priority: int, message: str) -> None:
     if priority == DEBUG and not _verbose:
         return
     line = one_line(message)
-    if stderr_is_journal():
-        sys.stderr.write(f"<{priority}>{line}\n")
-    else:
-        sys.stderr.write(f"{_LABELS.get(priority, '')}{line}\n")
-    sys.stderr.flush()
+    prefix = f"<{priority}>" if stderr_is_journal() else _LABELS.get(priority, "")
+    # A full disk or a restarting journald must not turn a log line into a crash: the
+    # line is lost, the run goes on (its outcome also reaches systemd as STATUS=).
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"{prefix}{line}\n")
+        sys.stderr.flush()
 
 
 def error(message: str) -> None:

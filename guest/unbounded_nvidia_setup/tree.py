@@ -65,7 +65,9 @@ def describe_difference(want: Manifest, have: Manifest | None) -> str:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a generation (or whatever stands at its path) without following links."""
+    """Remove a generation (or whatever stands at its path) without following links. A
+    failure is logged, not raised: what is left is a leftover the next run removes, and
+    the run's state is whole either way."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
@@ -73,6 +75,8 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as e:
+        log.warn(f"cannot remove {e.filename or path}: {e.strerror}; the next run retries")
 
 
 def remove_leftovers(parent: Path) -> None:
@@ -96,7 +100,10 @@ def ensure_parent(root: Path, parent: Path) -> None:
         try:
             st = os.lstat(current)
         except FileNotFoundError:
-            os.mkdir(current, 0o755)
+            try:
+                os.mkdir(current, 0o755)
+            except OSError as e:
+                _die_for(e, current.parent)
             continue
         if stat.S_ISLNK(st.st_mode):
             die(f"{current} is a symlink", hint="remove it; the driver root must be created "
@@ -247,11 +254,9 @@ def swap(new: Path, live: Path) -> Path | None:
     """Make `new` the live root in one step. Returns where the old generation now is (the
     caller deletes it once the spec is installed, or swaps it back), None if there was none."""
     try:
-        os.lstat(live)
-    except FileNotFoundError:
-        os.rename(new, live)
-        return None
-    try:
+        if not os.path.lexists(live):
+            os.rename(new, live)
+            return None
         _renameat2_exchange(new, live)
     except OSError as e:
         remove_tree(new)
@@ -264,10 +269,14 @@ def swap(new: Path, live: Path) -> Path | None:
 def unswap(live: Path, old: Path | None) -> None:
     """Undo swap(): the old generation goes live again (or the root goes away when there
     was none before), the rejected one is deleted."""
-    if old is not None:
-        _renameat2_exchange(old, live)
-        remove_tree(old)
-        return
-    doomed = generation_path(live.parent)
-    os.rename(live, doomed)
+    try:
+        if old is not None:
+            _renameat2_exchange(old, live)
+            remove_tree(old)
+            return
+        doomed = generation_path(live.parent)
+        os.rename(live, doomed)
+    except OSError as e:
+        die(f"cannot put the previous driver root back at {live}: {e.strerror}",
+            hint="check the filesystem of /run/nvidia, then restart the unit")
     remove_tree(doomed)
