@@ -1,0 +1,319 @@
+"""Resource faults (issue 4, item 3), beyond the one-liners of test_failures.py: full
+filesystems when a good root is live and the new driver does not fit, inodes running out,
+a full /etc/cdi, a read-only /etc/cdi and a failing nvidia-ctk on a first boot, a stuck
+run holding the lock, and an error (ENOSPC, EIO, EPERM) injected into every class of
+mutating syscall the run makes.
+
+Each fault must end in one clear line and the right exit code, leave the live root and
+spec as they were (or, on a first boot, absent) with no temporary data anywhere, and the
+next run must succeed. The security invariants are checked after every test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from invariants import (
+    product_argv,
+    product_env,
+    run_cli,
+    secure_after,  # noqa: F401  (fixture)
+)
+from test_crash import (
+    Swapper,
+    assert_whole,
+    first_boot,
+    kill_points,
+    recovered,
+    swapper,
+    wait_for_orphans,
+)
+
+import simgpu
+from conftest import needs_root
+from test_failures import new_driver
+from test_run import root_of, snapshot, spec_of
+
+pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
+NEW = "570.133.20"
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    done: list[Path] = []
+    yield done
+    for path in reversed(done):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def mount_tmpfs(mounts: list[Path], path: Path, options: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    mounts.append(path)
+
+
+def used(path: Path) -> tuple[int, int]:
+    """(blocks, inodes) in use on the filesystem of `path`."""
+    st = os.statvfs(path)
+    return st.f_blocks - st.f_bfree, st.f_files - st.f_ffree
+
+
+def fails_cleanly(m: simgpu.SimMachine, code: int, expect: str,
+                  env: dict[str, str] | None = None, *, unchanged: bool = True) -> str:
+    before = snapshot(m)
+    out = run_cli(m.root, "run", env=env)
+    assert out.code == code, out.stderr
+    assert len(out.errors) == 1, out.lines
+    assert expect in out.errors[0] and "; " in out.errors[0], out.errors[0]
+    if unchanged:
+        assert snapshot(m) == before
+    assert not list(root_of(m).parent.glob(".driver.*"))
+    assert not (m.root / "run/unbounded-nvidia-setup").exists()
+    for directory in (spec_of(m).parent, m.root / "etc/ld.so.conf.d"):
+        if directory.exists():
+            assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+    return out.errors[0]
+
+
+def bigger_new_driver(m: simgpu.SimMachine, tmp_path: Path, size: int) -> None:
+    """Stage a newer driver whose files take `size` more bytes than the live one's."""
+    new_driver(m, tmp_path, NEW)
+    simgpu.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{NEW}",
+                      f"libnvidia-gpucomp.so.{NEW}", size=size)
+
+
+# --------------------------------------------------------------------------------------
+# Full filesystems
+
+
+def test_new_driver_does_not_fit_next_to_the_live_root(tmp_path: Path,
+                                                       mounts: list[Path]) -> None:
+    """The old root fits, the new one does not fit beside it: one line, the old root and
+    spec stay live, and the filesystem holds exactly what it held before."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    mount_tmpfs(mounts, m.root / "run/nvidia", "size=2m")
+    assert run_cli(m.root, "run").code == 0
+    before = used(m.root / "run/nvidia")
+    bigger_new_driver(m, tmp_path, 3 << 20)
+    error = fails_cleanly(m, 1, "no space left")
+    assert str(m.root / "run/nvidia") in error
+    assert os.listdir(m.root / "run/nvidia") == ["driver"]
+    assert used(m.root / "run/nvidia") == before
+    assert (root_of(m) / f"lib/x86_64-linux-gnu/libcuda.so.{m.version}").is_file()
+
+
+def test_inodes_run_out_while_building(tmp_path: Path, mounts: list[Path]) -> None:
+    """Space is plenty but inodes are not (tmpfs nr_inodes): creating a file, directory or
+    link fails with ENOSPC somewhere in the build; same outcome."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    mount_tmpfs(mounts, m.root / "run/nvidia", "size=64m,nr_inodes=100")
+    assert run_cli(m.root, "run").code == 0
+    before = used(m.root / "run/nvidia")
+    assert before[1] > 50  # the live root took more than half the inodes
+    new_driver(m, tmp_path, NEW)
+    fails_cleanly(m, 1, "no space left")
+    assert os.listdir(m.root / "run/nvidia") == ["driver"]
+    assert used(m.root / "run/nvidia") == before
+
+
+def test_full_cdi_filesystem(tmp_path: Path, mounts: list[Path]) -> None:
+    """/etc/cdi full when the new spec is written: the new root is swapped back out, the
+    old root and spec stay live together, no temp file is left in /etc/cdi."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    cdi = m.root / "etc/cdi"
+    mount_tmpfs(mounts, cdi, "size=256k")
+    assert run_cli(m.root, "run").code == 0
+    filler = cdi / "filler.bin"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    new_driver(m, tmp_path, NEW)
+    fails_cleanly(m, 1, "cannot install the CDI spec")
+    assert sorted(os.listdir(cdi)) == ["filler.bin", "nvidia.yaml"]
+    filler.unlink()
+    assert run_cli(m.root, "run").code == 0
+
+
+def test_read_only_cdi_dir_on_first_boot(tmp_path: Path, mounts: list[Path]) -> None:
+    """Nothing was live: the new root is taken away again, the drop-in too."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    cdi = m.root / "etc/cdi"
+    cdi.mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(cdi), str(cdi)], check=True)
+    mounts.append(cdi)
+    subprocess.run(["mount", "-o", "remount,bind,ro", str(cdi)], check=True)
+    fails_cleanly(m, 1, "cannot install the CDI spec")
+    assert not os.path.lexists(root_of(m))
+    assert os.listdir(root_of(m).parent) == []
+    assert not (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf").exists()
+
+
+# --------------------------------------------------------------------------------------
+# nvidia-ctk failing on a first boot (test_failures covers a live machine)
+
+
+def processes_under(root: Path) -> list[int]:
+    needle = str(root).encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("knob,value,expect", [
+    ("FAKE_NVIDIA_CTK_SIGNAL", "KILL", "killed by SIGKILL"),
+    ("FAKE_NVIDIA_CTK_SIGNAL", "SEGV", "killed by SIGSEGV"),
+    ("FAKE_NVIDIA_CTK_HANG", "1", "did not finish within 2 s"),
+])
+def test_nvidia_ctk_failing_on_first_boot_leaves_nothing(tmp_path: Path, knob: str,
+                                                         value: str, expect: str) -> None:
+    """No root, spec, drop-in, work dir or temp file afterwards, and no nvidia-ctk left
+    running (a hung one is killed with its whole process group)."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config(nvidia_ctk_timeout_seconds=2)
+    start = time.monotonic()
+    fails_cleanly(m, 1, expect, env={knob: value})
+    assert time.monotonic() - start < 30
+    assert not os.path.lexists(root_of(m))
+    assert not spec_of(m).exists()
+    assert not (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf").exists()
+    assert processes_under(m.root) == []
+    assert run_cli(m.root, "run").code == 0
+
+
+# --------------------------------------------------------------------------------------
+# The lock
+
+
+def test_lock_held_by_a_stuck_run(tmp_path: Path) -> None:
+    """A run hangs in nvidia-ctk while holding the lock: other runs and checks give up
+    after the lock timeout with 75 and change nothing; once the stuck run is killed, the
+    next run succeeds and clears what it left."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    assert run_cli(m.root, "run").code == 0
+    new_driver(m, tmp_path, NEW)
+    stuck_config = tmp_path / "stuck.yaml"
+    stuck_config.write_text(m.config_path.read_text() + "nvidia_ctk_timeout_seconds: 600\n")
+    m.write_config(lock_timeout_seconds=1)
+    stuck = subprocess.Popen(
+        [sys.executable, "-m", "unbounded_nvidia_setup", "--root", str(m.root), "--config",
+         str(stuck_config), "run"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=product_env({"FAKE_NVIDIA_CTK_HANG": "1"}))
+    try:
+        # Stuck: nvidia-ctk started and the state has stopped changing for a second.
+        deadline = time.monotonic() + 60
+        before, quiet = snapshot(m), time.monotonic()
+        while (not (m.root / "run/unbounded-nvidia-setup").exists()
+               or time.monotonic() - quiet < 1):
+            assert stuck.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+            now = snapshot(m)
+            if now != before:
+                before, quiet = now, time.monotonic()
+        for command in ("run", "check", "clean"):
+            start = time.monotonic()
+            out = run_cli(m.root, command)
+            assert out.code == 75, (command, out.stderr)
+            assert len(out.errors) == 1 and "holds" in out.errors[0], out.lines
+            assert 1 <= time.monotonic() - start < 30
+        assert snapshot(m) == before
+    finally:
+        # The stuck run and the nvidia-ctk it started (in a session of its own), by pid.
+        for pid in processes_under(m.root):
+            os.kill(pid, signal.SIGKILL)
+        stuck.wait()
+    wait_for_orphans(m.root)
+    out = run_cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    assert (root_of(m) / f"lib/x86_64-linux-gnu/libcuda.so.{NEW}").is_file()
+    assert os.listdir(root_of(m).parent) == ["driver"]
+    assert not (m.root / "run/unbounded-nvidia-setup").exists()
+
+
+# --------------------------------------------------------------------------------------
+# An error injected into every class of mutating syscall
+
+ERRNO = {
+    "mkdir": "ENOSPC", "openat": "ENOSPC", "copy_file_range": "ENOSPC", "symlink": "ENOSPC",
+    "write": "ENOSPC", "fsync": "EIO", "rename": "EIO", "renameat2": "EIO", "unlink": "EIO",
+    "unlinkat": "EIO", "rmdir": "EIO", "fchown": "EPERM", "fchmod": "EPERM",
+    "utimensat": "EPERM", "chmod": "EPERM",
+}
+ERROR_CASES = [(scenario, syscall) for scenario in ("first-boot", "new-driver")
+               for syscall in ERRNO
+               if scenario == "new-driver" or syscall in ("mkdir", "openat", "rename", "unlink",
+                                                           "unlinkat", "rmdir", "fsync",
+                                                           "write")]
+
+
+@pytest.fixture
+def two_drivers(tmp_path: Path) -> Swapper:
+    s = swapper(tmp_path)
+    s.learn()
+    return s
+
+
+def spread(points: list[int]) -> list[int]:
+    """First, middle and last kill point."""
+    return sorted({points[0], points[len(points) // 2], points[-1]}) if points else []
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@pytest.mark.parametrize("scenario,syscall", ERROR_CASES)
+def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: str,
+                                                syscall: str) -> None:
+    """`strace -e inject=SYSCALL:error=ERRNO:when=N` at every kill point of test_crash on
+    a first boot, at the first, a middle and the last when swapping to a new driver: one
+    line (or success, when the call did not matter), never a traceback; the state whole;
+    the next run succeeds."""
+    s = two_drivers
+    points = kill_points(scenario, s)[syscall]
+    if scenario == "new-driver":
+        points = spread(points)
+    if not points:
+        pytest.skip(f"a {scenario} run makes no {syscall} call of its own")
+    for when in points:
+        if scenario == "first-boot":
+            first_boot(s.m)
+            target = s.current
+        else:
+            target = s.other()
+            s.use(target)
+        argv = ["strace", "-f", "-b", "execve", "-qq", "-o", "/dev/null", "-e",
+                f"trace={syscall}", "-e",
+                f"inject={syscall}:error={ERRNO[syscall]}:when={when}",
+                *product_argv(s.m.root, "run")]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=product_env(),
+                              timeout=120)
+        wait_for_orphans(s.m.root)
+        assert "Traceback" not in proc.stderr, f"N={when}: {proc.stderr}"
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        if proc.returncode != 0:
+            assert proc.returncode == 1 and len(errors) == 1, f"N={when}: {proc.stderr}"
+            assert "; " in errors[0]
+        assert_whole(s, may_be_absent=scenario == "first-boot")
+        recovered(s, target)
+    print(f"ERRORS {scenario} {syscall} {ERRNO[syscall]} at N={points}: held")
