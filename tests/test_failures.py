@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from invariants import secure_after  # noqa: F401  (fixture)
+
 import simgpu
 from conftest import Cli, needs_root
 from test_run import root_of, snapshot, spec_of
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 
 
 @pytest.fixture

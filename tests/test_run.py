@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from invariants import secure_after  # noqa: F401  (fixture)
 from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
 from conftest import FAKE_CTK, Cli, needs_root
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
 
 
