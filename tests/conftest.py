@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,15 @@ Cli = Callable[..., Outcome]
 @pytest.fixture
 def cli() -> Cli:
     return invoke
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    """Mount points a test made; unmounted (lazily) whatever the test's outcome."""
+    done: list[Path] = []
+    yield done
+    for path in reversed(done):
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown)")

@@ -67,7 +67,9 @@ def run_cli(root: Path, *args: str, env: dict[str, str] | None = None,
 # Security invariants
 
 
-def _assert_secure_tree(live: Path) -> None:
+def assert_secure_root(live: Path) -> None:
+    """Every entry root-owned, 0644/0755 (directories 0755), no set-id bits, no hard
+    links; every link relative, inside the root and not dangling."""
     real = os.path.realpath(live)
     for directory, dirs, files in os.walk(live):
         for name in dirs + files:
@@ -143,7 +145,7 @@ def assert_secure_state(root: Path) -> None:
     live = root / DRIVER_ROOT
     if os.path.lexists(live):
         assert stat.S_ISDIR(os.lstat(live).st_mode), f"{live} is not a real directory"
-        _assert_secure_tree(live)
+        assert_secure_root(live)
     assert_secure_spec(root)
 
 

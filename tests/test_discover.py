@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from invariants import assert_secure_root
 from unbounded_nvidia_setup.discover import resolve_within
 from unbounded_nvidia_setup.elf import CorruptElf, read_elf
 
 import simgpu
 from conftest import Cli, needs_root
-from test_run import assert_secure_root, check_json, root_of
+from test_run import check_json, root_of
 
 MA = "x86_64-linux-gnu"
 

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -205,14 +204,6 @@ def test_lock_held_by_a_stuck_process_gives_75(live: simgpu.SimMachine, cli: Cli
 def mount_tmpfs(path: Path, options: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    done: list[Path] = []
-    yield done
-    for path in reversed(done):
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_full_driver_root_filesystem(m: simgpu.SimMachine, cli: Cli,

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from invariants import secure_after  # noqa: F401  (fixture)
+from invariants import (
+    assert_secure_root,
+    secure_after,  # noqa: F401  (fixture)
+)
 from unbounded_nvidia_setup.elf import read_elf
 
 import realdriver
 import simgpu
 from conftest import Cli, needs_root
-from test_run import assert_secure_root, check_json, load_spec, mounts, plugin_view, root_of
+from test_run import check_json, load_spec, mounts, plugin_view, root_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,14 +43,6 @@ from test_run import root_of, snapshot, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 NEW = "570.133.20"
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    done: list[Path] = []
-    yield done
-    for path in reversed(done):
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def mount_tmpfs(mounts: list[Path], path: Path, options: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from invariants import secure_after  # noqa: F401  (fixture)
+from invariants import assert_secure_root, secure_after  # noqa: F401  (fixture)
 from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
@@ -84,24 +84,6 @@ def plugin_view(m: simgpu.SimMachine, tmp_path: Path) -> set[str]:
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((out_dir / "spec.json").read_text())
     return {os.path.basename(mt["hostPath"]) for mt in spec["containerEdits"]["mounts"]}
-
-
-def assert_secure_root(root: Path) -> None:
-    """Every file root-owned 0644/0755, no set-id bits, every link relative and inside."""
-    real = os.path.realpath(root)
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            st = os.lstat(path)
-            assert (st.st_uid, st.st_gid) == (0, 0), path
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(path)
-                assert not target.startswith("/"), path
-                assert os.path.realpath(path).startswith(real + "/"), path
-                assert os.path.exists(path), path
-            else:
-                assert stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode), path
-                assert stat.S_IMODE(st.st_mode) in (0o644, 0o755), path
 
 
 def test_first_run_builds_a_self_contained_root_and_spec(m: simgpu.SimMachine, cli: Cli) -> None:
