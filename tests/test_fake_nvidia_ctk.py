@@ -222,7 +222,7 @@ def assert_failed(result: subprocess.CompletedProcess[str], *needles: str) -> No
 
 def test_is_an_executable_python_script() -> None:
     assert os.access(FAKE, os.X_OK)
-    assert FAKE.read_text().startswith("#!/usr/bin/env python3\n")
+    assert FAKE.read_text().startswith("#!/usr/bin/python3\n")
 
 
 def test_version_default() -> None:

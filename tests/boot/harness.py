@@ -29,6 +29,7 @@ from .nspawn import HOST_PATH, Bind, Machine
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_CTK = REPO / "tests" / "fakes" / "nvidia-ctk"
+FAKE_CTK_MODULE = FAKE_CTK.with_name("nvidia_ctk.py")
 SETUP = "unbounded-nvidia-setup.service"
 CONTAINERD = "containerd.service"
 KUBELET = "kubelet.service"
@@ -179,6 +180,7 @@ def new_node(base: Path, deb: Path, *, gpu: bool = True, **config: object) -> No
         dpkg_install(root, deb)
         shutil.copyfile(FAKE_CTK, root / "usr/bin/nvidia-ctk")
         (root / "usr/bin/nvidia-ctk").chmod(0o755)
+        shutil.copyfile(FAKE_CTK_MODULE, root / "usr/lib/python3/dist-packages/nvidia_ctk.py")
         node.config(nvidia_ctk_args=["--mode=management"], **config)
         if gpu:
             node.staging = {p.name: p for p in sim.staging}

@@ -1,0 +1,1373 @@
+"""Test stand-in for NVIDIA's ``nvidia-ctk`` (``--version`` and ``cdi generate`` only), run
+through the launcher tests/fakes/nvidia-ctk.
+
+The real tool cannot be installed on the test machines, so this script re-implements the
+parts of its behaviour the product depends on, following the NVIDIA Container Toolkit
+sources (v1.17.8 .. v1.20.0: cmd/nvidia-ctk/cdi/generate, pkg/nvcdi, internal/discover,
+internal/lookup, pkg/lookup).  It must fail wherever the real tool fails; it is not a
+"accept anything" mock.  Points mirrored on purpose:
+
+* ``--dev-root`` defaults to ``--driver-root``; device nodes must be character devices.
+* Library discovery: glob under fixed search dirs below the driver root, drop candidates
+  ``os.stat`` cannot follow (dangling links), resolve with ``realpath`` in *this* process's
+  mount namespace, then make paths root-relative by plain prefix stripping.  A library whose
+  real path lies outside the root therefore drops out of the spec silently.
+* The driver version comes from NVML when it "works", else from the file name suffix of
+  ``libcuda.so.<ver>`` and then ``libnvidia-ml.so.<ver>``; neither found -> failure.
+* SONAME links are only emitted (create-symlinks hook) when a symlink named like the
+  library's DT_SONAME exists next to it (DT_SONAME is read from the ELF file).
+* ``--output``: ``.json`` -> JSON whatever ``--format`` says, any name not ending in
+  ``.yaml``/``.json`` gets the format's extension appended; written via temp file + rename.
+
+Deliberate simplifications (documented, deterministic under tests):
+
+* NVML cannot be loaded here.  It is simulated: it "initialises" only when
+  ``libnvidia-ml.so.1`` is found under the driver root AND ``FAKE_NVIDIA_CTK_GPUS`` lists
+  GPU UUIDs; its driver version is the version suffix of the file that link resolves to.
+  Otherwise NVML init fails with ERROR_LIBRARY_NOT_FOUND / ERROR_DRIVER_NOT_LOADED like the
+  real library on a machine without it / without a loaded kernel driver.
+* ``--mode=auto``: the real tool asks go-nvlib for the platform (NVML / Tegra / WSL) and
+  falls back to nvml ("Unsupported platform detected ... assuming nvml").  Tegra and WSL are
+  not simulated, so auto always resolves to nvml here, exactly as on a non-Tegra, non-WSL
+  host; management mode is used only when asked for.
+* The ``<root>/etc/ld.so.cache`` fallback of the library locator is not implemented.
+* Helper binaries are searched only below the driver root in the default PATH dirs (the
+  real tool also searches ``$PATH`` and the caller's own ``/usr/bin`` etc.).
+* Graphics files (EGL/Vulkan ICD json, Xorg modules), the MPS pipe dir, nvsandboxutils
+  and CSV/WSL/GDS/MOFED/gdrcopy/imex/nvswitch modes are not simulated (those modes fail
+  with a "not simulated" error); so do ``--library-search-path``, ``--config-search-path``,
+  ``--csv.*``, ``--feature-flag`` and ``--device-id`` values other than ``all``.
+* Unknown hook names in ``--disable-hook``/``--enable-hook`` are an error here (the real
+  tool ignores them silently); stricter, so a typo in the product cannot pass unnoticed.
+
+Test knobs (environment):
+
+  FAKE_NVIDIA_CTK_VERSION=1.17.8   version to impersonate (default 1.20.0)
+  FAKE_NVIDIA_CTK_GPUS=GPU-a,GPU-b simulated NVML GPUs (see above)
+  FAKE_NVIDIA_CTK_LOG=<file>       append ``json.dumps(sys.argv[1:])`` + newline per call
+  FAKE_NVIDIA_CTK_HANG=1           ``cdi generate`` sleeps forever before discovery/writing
+  FAKE_NVIDIA_CTK_SIGNAL=KILL|SEGV ``cdi generate`` kills itself with that signal
+  FAKE_NVIDIA_CTK_CORRUPT=garbage|nokind|wrongkind|nodevices|staging
+                                   after a successful generation, write a broken spec
+                                   instead (unparsable / no kind / kind example.com/device /
+                                   no devices / libcuda's mount hostPath under
+                                   /run/host-nvidia/0) and exit 0
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import glob
+import json
+import os
+import posixpath
+import re
+import signal
+import stat
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, NoReturn
+
+Version = tuple[int, int, int]
+
+DEFAULT_VERSION = "1.20.0"
+# Release commits of the tags (git rev-list -n1 <tag>); other versions get a derived hash.
+KNOWN_COMMITS = {
+    "1.17.8": "f202b80a9b9d0db00d9b1d73c0128c8962c55f4d",
+    "1.18.0": "f8daa5e26de9fd7eb79259040b6dd5a52060048c",
+    "1.19.0": "ec7b4e2fa2caecad6d89be4a26029b831fe7503a",
+    "1.20.0": "5505e2f94d9aaa08561490db974ba3cd676af209",
+}
+
+V1_18: Version = (1, 18, 0)
+V1_19: Version = (1, 19, 0)
+V1_20: Version = (1, 20, 0)
+
+# pkg/lookup/library.go: default search paths below the root (ld.so.cache fallback omitted).
+LIBRARY_SEARCH_DIRS = (
+    "/",
+    "/usr/lib64",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu/nvidia/current",
+    "/usr/lib/aarch64-linux-gnu/nvidia/current",
+    "/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/lib/x86_64-linux-gnu/nvidia/current",
+    "/lib/aarch64-linux-gnu/nvidia/current",
+)
+# pkg/lookup/path.go defaultPATH; only searched below the root here (see module docstring).
+EXECUTABLE_SEARCH_DIRS = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+)
+DRIVER_BINARIES = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+    "nvidia-imex",
+    "nvidia-imex-ctl",
+)
+MANAGEMENT_DEVICE_PATTERNS = (
+    "/dev/nvidia*",
+    "/dev/nvidia-caps/nvidia-cap*",
+    "/dev/nvidia-modeset",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-uvm",
+    "/dev/nvidiactl",
+    "/dev/nvidia-caps-imex-channels/channel*",
+)
+MANAGEMENT_BLOCKED_PREFIXES = ("nvidia-fs", "nvidia-nvswitch", "nvidia-nvlink")
+CONTROL_DEVICE_PATTERNS = (
+    "/dev/nvidia-modeset",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-uvm",
+    "/dev/nvidiactl",
+)
+MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
+DEFAULT_HOOK_PATH = "/usr/bin/nvidia-cdi-hook"
+
+MODES_ALWAYS = ("auto", "csv", "gds", "management", "mofed", "nvml", "wsl")
+MODES_SINCE_1_18 = ("gdrcopy", "imex", "nvswitch")
+SIMULATED_MODES = ("nvml", "management")
+
+HOOKS_ALWAYS = (
+    "create-symlinks",
+    "update-ldcache",
+    "enable-cuda-compat",
+    "disable-device-node-modification",
+    "chmod",
+)
+HOOK_APPLICATION_PROFILE = "update-application-profile"
+
+CORRUPTIONS = ("garbage", "nokind", "wrongkind", "nodevices", "staging")
+GARBAGE_SPEC = '---\ncdiVersion: "0.5.0\nkind: nvidia.com/gpu\ndevices: [\n  {name: all,\n'
+STAGING_PREFIX = "/run/host-nvidia/0"
+
+
+class CtkError(Exception):
+    """A failure the real tool reports as ``level=error msg=...`` with exit status 1."""
+
+
+class UsageError(CtkError):
+    """A command-line error (urfave/cli prints 'Incorrect Usage: ...' first)."""
+
+
+class KnobError(Exception):
+    """Misuse of this stand-in's own FAKE_NVIDIA_CTK_* knobs (exit 2)."""
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class Logger:
+    """Writes logrus TextFormatter-like lines to stderr."""
+
+    LEVELS: ClassVar[dict[str, int]] = {"debug": 0, "info": 1, "warning": 2, "error": 3}
+
+    def __init__(self, level: str = "info") -> None:
+        self.threshold = self.LEVELS[level]
+
+    def _emit(self, level: str, msg: str) -> None:
+        if self.LEVELS[level] < self.threshold:
+            return
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        stamp = now.replace("+00:00", "Z")
+        quoted = json.dumps(msg, ensure_ascii=False)
+        sys.stderr.write(f'time="{stamp}" level={level} msg={quoted}\n')
+
+    def debug(self, msg: str) -> None:
+        self._emit("debug", msg)
+
+    def info(self, msg: str) -> None:
+        self._emit("info", msg)
+
+    def warning(self, msg: str) -> None:
+        self._emit("warning", msg)
+
+    def error(self, msg: str) -> None:
+        self._emit("error", msg)
+
+
+# --------------------------------------------------------------------------- Go-like paths
+
+
+def go_clean(path: str) -> str:
+    """filepath.Clean (posixpath.normpath keeps a leading '//', Go does not)."""
+    if not path:
+        return "."
+    cleaned = posixpath.normpath(path)
+    if cleaned.startswith("//"):
+        cleaned = "/" + cleaned.lstrip("/")
+    return cleaned
+
+
+def go_join(*parts: str) -> str:
+    """filepath.Join: joins the non-empty parts with '/' and cleans the result."""
+    nonempty = [p for p in parts if p]
+    if not nonempty:
+        return ""
+    return go_clean("/".join(nonempty))
+
+
+def go_ext(path: str) -> str:
+    """filepath.Ext: the suffix from the final dot of the last element ('' if none)."""
+    base = path.rsplit("/", 1)[-1]
+    index = base.rfind(".")
+    return base[index:] if index >= 0 else ""
+
+
+def trim_prefix(value: str, prefix: str) -> str:
+    """strings.TrimPrefix."""
+    return value[len(prefix) :] if prefix and value.startswith(prefix) else value
+
+
+def unique(items: Iterable[str]) -> list[str]:
+    seen: set[str] = set()
+    out: list[str] = []
+    for item in items:
+        if item not in seen:
+            seen.add(item)
+            out.append(item)
+    return out
+
+
+# --------------------------------------------------------------------------- ELF
+
+
+class ElfError(Exception):
+    pass
+
+
+SHT_DYNAMIC = 6
+DT_SONAME = 14
+
+
+def read_dt_soname(path: str) -> str:
+    """The library's DT_SONAME; its base name when it has none (discover.getSoname)."""
+    with open(path, "rb") as f:
+        ident = f.read(16)
+        if len(ident) < 16 or ident[:4] != b"\x7fELF":
+            raise ElfError(f"bad magic number {list(ident[:4])} in record at byte 0x0")
+        elf_class, encoding = ident[4], ident[5]
+        if elf_class not in (1, 2) or encoding not in (1, 2):
+            raise ElfError(f"unknown ELF class {elf_class} or data encoding {encoding}")
+        end = "<" if encoding == 1 else ">"
+        is64 = elf_class == 2
+        header_fmt = end + ("HHIQQQIHHHHHH" if is64 else "HHIIIIIHHHHHH")
+        section_fmt = end + ("IIQQQQIIQQ" if is64 else "IIIIIIIIII")
+        dyn_fmt = end + ("qQ" if is64 else "iI")
+        header = struct.unpack(header_fmt, _read_exact(f, struct.calcsize(header_fmt)))
+        shoff, shentsize, shnum = header[5], header[10], header[11]
+        sections = []
+        for index in range(shnum):
+            f.seek(shoff + index * shentsize)
+            sections.append(
+                struct.unpack(section_fmt, _read_exact(f, struct.calcsize(section_fmt)))
+            )
+        dynamic = next((s for s in sections if s[1] == SHT_DYNAMIC), None)
+        if dynamic is None:
+            return os.path.basename(path)
+        link = dynamic[6]
+        if link >= len(sections):
+            raise ElfError("invalid dynamic section link")
+        strtab = sections[link]
+        f.seek(strtab[4])
+        strings = _read_exact(f, strtab[5])
+        f.seek(dynamic[4])
+        raw = _read_exact(f, dynamic[5])
+        entry_size = struct.calcsize(dyn_fmt)
+        sonames: list[str] = []
+        for offset in range(0, len(raw) - entry_size + 1, entry_size):
+            tag, value = struct.unpack_from(dyn_fmt, raw, offset)
+            if tag == DT_SONAME:
+                name_end = strings.find(b"\0", value)
+                sonames.append(strings[value : name_end if name_end >= 0 else None].decode())
+    if len(sonames) > 1:
+        raise ElfError(f"multiple SONAMEs detected for {path}: {sonames}")
+    return sonames[0] if sonames else os.path.basename(path)
+
+
+def _read_exact(f: Any, size: int) -> bytes:
+    data: bytes = f.read(size)
+    if len(data) != size:
+        raise ElfError("unexpected EOF")
+    return data
+
+
+# --------------------------------------------------------------------------- locators
+
+Filter = Callable[[str], "str | None"]
+
+
+def assert_file(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"error getting info for {path}: {exc.strerror}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"specified path '{path}' is a directory"
+    return None
+
+
+def assert_executable(path: str) -> str | None:
+    reason = assert_file(path)
+    if reason is not None:
+        return reason
+    if os.stat(path).st_mode & 0o111 == 0:
+        return f"specified file '{path}' is not executable"
+    return None
+
+
+def assert_char_device(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"error getting info for {path}: {exc.strerror}"
+    if not stat.S_ISCHR(st.st_mode):
+        return f"{path} is not a character device"
+    return None
+
+
+@dataclass
+class Locator:
+    """pkg/lookup file locator, optionally with evaluated symlinks (the 'symlink locator')."""
+
+    log: Logger
+    root: str
+    search_paths: Sequence[str] = ()
+    filter: Filter = assert_file
+    count: int = 0
+    resolve: bool = False
+    required: bool = True
+
+    def prefixes(self) -> list[str]:
+        paths = unique(self.search_paths)
+        if not paths:
+            return [self.root]
+        return [go_join(self.root, p) for p in paths]
+
+    def locate(self, pattern: str) -> list[str]:
+        found: list[str] = []
+        prefixes = self.prefixes()
+        self.log.debug(f'Locating "{pattern}" in {prefixes}')
+        for prefix in prefixes:
+            full = go_join(glob.escape(prefix), pattern)
+            for candidate in sorted(glob.glob(full, include_hidden=True)):
+                reason = self.filter(candidate)
+                if reason is not None:
+                    self.log.debug(f"Candidate '{candidate}' does not meet requirements: {reason}")
+                    continue
+                found.append(candidate)
+                if self.count and len(found) == self.count:
+                    break
+            if self.count and len(found) == self.count:
+                break
+        if not found:
+            if self.required:
+                raise CtkError(f"pattern {pattern} not found")
+            return []
+        if not self.resolve:
+            return found
+        resolved: list[str] = []
+        for candidate in found:
+            try:
+                resolved.append(os.path.realpath(candidate, strict=True))
+            except OSError as exc:
+                raise CtkError(f"failed to resolve link: {exc}") from exc
+        return unique(resolved)
+
+
+@dataclass
+class Mount:
+    host_path: str
+    path: str
+
+    def to_spec(self) -> dict[str, Any]:
+        return {
+            "hostPath": self.host_path,
+            "containerPath": self.path,
+            "options": list(MOUNT_OPTIONS),
+        }
+
+
+def locate_mounts(log: Logger, locator: Locator, root: str, patterns: Iterable[str]) -> list[Mount]:
+    """internal/discover/mounts.go: located paths, container path = prefix-stripped path."""
+    base = go_join("/", root)
+    mounts: list[Mount] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        try:
+            located = locator.locate(pattern)
+        except CtkError as exc:
+            log.warning(f"Could not locate {pattern}: {exc}")
+            continue
+        if not located:
+            log.warning(f"Missing {pattern}")
+            continue
+        for path in located:
+            if path in seen:
+                continue
+            seen.add(path)
+            relative = path if base == "/" else trim_prefix(path, base)
+            relative = relative or path
+            log.info(f"Selecting {path} as {relative}")
+            mounts.append(Mount(path, relative))
+    return mounts
+
+
+# --------------------------------------------------------------------------- edits
+
+
+@dataclass
+class Edits:
+    env: list[str] = field(default_factory=list)
+    device_nodes: list[dict[str, Any]] = field(default_factory=list)
+    hooks: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    additional_gids: list[int] = field(default_factory=list)
+
+    def extend(self, other: Edits) -> None:
+        self.env += other.env
+        self.device_nodes += other.device_nodes
+        self.hooks += other.hooks
+        self.mounts += other.mounts
+        self.additional_gids += other.additional_gids
+
+    def without(self, common: Edits) -> Edits:
+        """Drop entries already in common edits, and duplicates (the spec simplifier)."""
+        return Edits(
+            _dedupe(self.env, common.env),
+            _dedupe(self.device_nodes, common.device_nodes),
+            _dedupe(self.hooks, common.hooks),
+            _dedupe(self.mounts, common.mounts),
+            _dedupe(self.additional_gids, common.additional_gids),
+        )
+
+    def to_spec(self) -> dict[str, Any]:
+        """specs-go ContainerEdits, every field omitempty."""
+        out: dict[str, Any] = {}
+        for key, value in (
+            ("env", self.env),
+            ("deviceNodes", self.device_nodes),
+            ("hooks", self.hooks),
+            ("mounts", self.mounts),
+            ("additionalGids", self.additional_gids),
+        ):
+            if value:
+                out[key] = value
+        return out
+
+
+def _dedupe(items: list[Any], exclude: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if item not in exclude and item not in out:
+            out.append(item)
+    return out
+
+
+def device_edits(
+    log: Logger,
+    dev_root: str,
+    patterns: Iterable[str],
+    ctk: Version,
+    blocked: Sequence[str] = (),
+) -> Edits:
+    """internal/discover/char_devices.go + internal/edits/device.go."""
+    locator = Locator(log, dev_root, ("/", "/dev"), assert_char_device)
+    edits = Edits()
+    for node in locate_mounts(log, locator, dev_root, patterns):
+        if blocked and os.path.basename(node.host_path).startswith(tuple(blocked)):
+            continue
+        spec: dict[str, Any] = {"path": node.path}
+        if node.host_path != node.path:
+            spec["hostPath"] = node.host_path
+        if ctk >= V1_19:
+            st = os.stat(node.host_path)
+            mode = st.st_mode & 0o7777
+            for key, value in (
+                ("major", os.major(st.st_rdev)),
+                ("minor", os.minor(st.st_rdev)),
+                ("fileMode", mode),
+                ("permissions", "rwm"),
+                ("gid", st.st_gid),
+            ):
+                if value:
+                    spec[key] = value
+            if st.st_gid and mode and not (mode & 0o4 and mode & 0o2):
+                edits.additional_gids.append(st.st_gid)
+        edits.device_nodes.append(spec)
+    return edits
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+class HookCreator:
+    """internal/discover/hooks.go cdiHookCreator."""
+
+    def __init__(
+        self, hook_path: str, ldconfig_path: str, disabled: Sequence[str], enabled: Sequence[str]
+    ) -> None:
+        self.hook_path = hook_path
+        self.ldconfig_path = ldconfig_path
+        states = {name: True for name in [*disabled, "chmod"]}
+        self.all_disabled = bool(states.get("all")) and not enabled
+        for name in enabled:
+            states[name] = False
+        self.states = states
+
+    def _is_disabled(self, name: str, args: Sequence[str]) -> bool:
+        if self.all_disabled:
+            return True
+        if name in self.states:
+            return self.states[name]
+        if self.states.get("all"):
+            return True
+        return name in ("create-symlinks", "chmod") and not args
+
+    def create(self, name: str, args: Sequence[str] = ()) -> dict[str, Any] | None:
+        if self._is_disabled(name, args):
+            return None
+        base = os.path.basename(self.hook_path)
+        fixed = [base, "hook"] if base == "nvidia-ctk" else [base]
+        extra: list[str] = []
+        if name == "create-symlinks":
+            for arg in args:
+                extra += ["--link", arg]
+        elif name == "chmod":
+            extra = ["--mode", "755"]
+            for arg in args:
+                extra += ["--path", arg]
+        elif name == "update-ldcache":
+            if self.ldconfig_path:
+                extra += ["--ldconfig-path", self.ldconfig_path]
+            for arg in args:
+                extra += ["--folder", arg]
+        else:
+            extra = list(args)
+        return {
+            "hookName": "createContainer",
+            "path": self.hook_path,
+            "args": [*fixed, name, *extra],
+            "env": ["NVIDIA_CTK_DEBUG=false"],
+        }
+
+
+def is_driver_library(library: str, filename: str) -> bool:
+    return fnmatch.fnmatchcase(filename, library + ".*.*")
+
+
+def so_link(soname: str) -> str:
+    """discover.getSoLink: libfoo.so.1.2 -> libfoo.so."""
+    while True:
+        ext = go_ext(soname)
+        if not ext:
+            return ""
+        if ext == ".so":
+            return soname
+        soname = soname[: -len(ext)]
+
+
+def is_symlink(path: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def symlink_links(log: Logger, mounts: Sequence[Mount]) -> list[str]:
+    """internal/discover/symlinks.go additionalSymlinks: the create-symlinks --link args."""
+    links: list[str] = []
+    processed: set[str] = set()
+    for mount in mounts:
+        if mount.path in processed:
+            continue
+        processed.add(mount.path)
+        directory, filename = posixpath.split(mount.path)
+        wanted: list[str] = []
+        if is_driver_library("libcuda.so", filename):
+            wanted.append(f"libcuda.so.1::{go_join(directory, 'libcuda.so')}")
+        elif is_driver_library("libGLX_nvidia.so", filename):
+            wanted.append(f"{filename}::{go_join(directory, 'libGLX_indirect.so.0')}")
+        elif is_driver_library("libnvidia-opticalflow.so", filename):
+            target = go_join(directory, "libnvidia-opticalflow.so")
+            wanted.append(f"libnvidia-opticalflow.so.1::{target}")
+        if is_driver_library("*", filename):
+            host_dir = os.path.dirname(mount.host_path)
+            try:
+                soname = read_dt_soname(mount.host_path)
+            except (OSError, ElfError) as exc:
+                log.warning(f"Failed to get soname symlinks for {mount}: {exc}")
+            else:
+                if soname != filename and is_symlink(os.path.join(host_dir, soname)):
+                    wanted.append(f"{filename}::{go_join(directory, soname)}")
+                link = so_link(soname)
+                if link and link != soname and is_symlink(os.path.join(host_dir, link)):
+                    wanted.append(f"{soname}::{go_join(directory, link)}")
+        for link in wanted:
+            if link not in links:
+                links.append(link)
+    return links
+
+
+def is_lib_name(path: str) -> bool:
+    base = os.path.basename(path)
+    if not fnmatch.fnmatchcase(base, "lib?*.so*"):
+        return False
+    parts = base.split(".so")
+    return len(parts) == 1 or parts[-1] == "" or parts[-1].startswith(".")
+
+
+# --------------------------------------------------------------------------- NVML + driver
+
+
+@dataclass
+class FakeNvml:
+    """Stand-in for go-nvml: see the module docstring."""
+
+    library: str | None
+    gpus: list[str]
+
+    def init_error(self) -> str | None:
+        if self.library is None:
+            return "ERROR_LIBRARY_NOT_FOUND"
+        if not self.gpus:
+            return "ERROR_DRIVER_NOT_LOADED"
+        return None
+
+    def driver_version(self) -> str:
+        error = self.init_error()
+        if error is not None:
+            raise CtkError(f"failed to initialize nvml: {error}")
+        assert self.library is not None
+        version = trim_prefix(os.path.basename(self.library), "libnvidia-ml.so.")
+        if not re.fullmatch(r"\d+(\.\d+)+", version):
+            raise CtkError("failed to get driver version: ERROR_UNKNOWN")
+        return version
+
+
+class Driver:
+    """internal/lookup/root/root.go."""
+
+    def __init__(self, log: Logger, root: str, dev_root: str, nvml_version: str) -> None:
+        self.log = log
+        self.root = root
+        self.dev_root = dev_root
+        self._version = nvml_version
+        self._lib_dirs: list[str] = []
+
+    def libraries(self) -> Locator:
+        return Locator(self.log, self.root, LIBRARY_SEARCH_DIRS, resolve=True)
+
+    def relative_to_root(self, path: str) -> str:
+        if self.root == "/" or not path.startswith("/"):
+            return path
+        return trim_prefix(path, self.root)
+
+    def _infer_version(self) -> str:
+        suffix = self._version or "*.*"
+        errors: list[str] = []
+        for library in ("libcuda.so.", "libnvidia-ml.so."):
+            try:
+                paths = self.libraries().locate(library + suffix)
+            except CtkError as exc:
+                errors.append(f'failed to locate "{library}": {exc}')
+                continue
+            version = trim_prefix(os.path.basename(paths[0]), library)
+            if not version:
+                errors.append(f"failed to extract version from path {paths[0]}")
+                continue
+            return version
+        raise CtkError("\n".join(errors))
+
+    def _update(self) -> None:
+        version = self._infer_version()
+        if self._version and self._version != version:
+            raise CtkError(f"unexpected version detected: {self._version} != {version}")
+        try:
+            paths = self.libraries().locate(f"lib*.so.{version}")
+        except CtkError as exc:
+            raise CtkError(f"failed to locate versioned driver libraries: {exc}") from exc
+        self._version = version
+        self._lib_dirs = unique(self.relative_to_root(os.path.dirname(p)) for p in paths)
+
+    def version(self) -> str:
+        if not self._lib_dirs:
+            self._update()
+        return self._version
+
+    def lib_dirs(self) -> list[str]:
+        if not self._lib_dirs:
+            self._update()
+        return self._lib_dirs
+
+    def driver_library_locator(self, *extra: str) -> Locator:
+        dirs = list(self.lib_dirs())
+        for name in extra:
+            dirs += [name] if name.startswith("/") else [go_join(d, name) for d in self.lib_dirs()]
+        return Locator(self.log, self.root, dirs, resolve=True, required=False)
+
+
+def firmware_search_paths(log: Logger) -> list[str]:
+    paths: list[str] = []
+    try:
+        with open("/sys/module/firmware_class/parameters/path", encoding="utf-8") as f:
+            custom = f.read().strip()
+    except OSError as exc:
+        log.warning(f"failed to get custom firmware class path: {exc}")
+        custom = ""
+    if custom:
+        paths.append(custom)
+    release = os.uname().release
+    return [
+        *paths,
+        go_join("/lib/firmware/updates/", release),
+        "/lib/firmware/updates/",
+        go_join("/lib/firmware/", release),
+        "/lib/firmware/",
+    ]
+
+
+def driver_edits(log: Logger, driver: Driver, hooks: HookCreator, ctk: Version) -> Edits:
+    """pkg/nvcdi/driver-nvml.go newDriverVersionDiscoverer."""
+    try:
+        version = driver.version()
+    except CtkError as exc:
+        raise CtkError(f'failed to determine driver version (""): {exc}') from exc
+    log.info(f"Using driver version {version}")
+    root = driver.root
+
+    libs = driver.driver_library_locator("vdpau").locate(f"*.so.{version}")
+    if root != "/":
+        libs = [trim_prefix(lib, root) for lib in libs]
+    library_mounts = locate_mounts(log, Locator(log, root), root, libs)
+    library_mounts += locate_mounts(
+        log, driver.driver_library_locator(), root, ["libnvidia-nvvm70.so.*"]
+    )
+
+    edits = Edits()
+    edits.mounts += [m.to_spec() for m in library_mounts]
+    folders = unique(posixpath.dirname(m.path) for m in library_mounts if is_lib_name(m.path))
+    hook_list = [
+        hooks.create("create-symlinks", symlink_links(log, library_mounts)),
+        hooks.create("enable-cuda-compat", [f"--host-driver-version={version}"]),
+        hooks.create("update-ldcache", folders) if folders else None,
+    ]
+    if ctk >= V1_18:
+        hook_list.append(hooks.create("disable-device-node-modification"))
+        edits.env.append("NVIDIA_CTK_LIBCUDA_DIR=" + ":".join(driver.lib_dirs()))
+    edits.hooks += [h for h in hook_list if h is not None]
+
+    ipc = Locator(log, root, ("/run", "/var/run"), count=1)
+    firmware = Locator(log, root, firmware_search_paths(log))
+    binaries = Locator(log, root, EXECUTABLE_SEARCH_DIRS, filter=assert_executable, count=1)
+    for locator, patterns in (
+        (ipc, ("/nvidia-persistenced/socket", "/nvidia-fabricmanager/socket")),
+        (firmware, (go_join("nvidia", version, "gsp*.bin"),)),
+        (binaries, DRIVER_BINARIES),
+    ):
+        edits.mounts += [m.to_spec() for m in locate_mounts(log, locator, root, patterns)]
+    return edits
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    name: str
+    kind: Literal["string", "slice", "bool"] = "string"
+    aliases: tuple[str, ...] = ()
+    since: Version = (0, 0, 0)
+    env: str | None = None
+    default: str | list[str] | bool = ""
+
+
+GENERATE_FLAGS = (
+    FlagSpec(
+        "config-search-path", "slice", env="NVIDIA_CTK_CDI_GENERATE_CONFIG_SEARCH_PATHS", default=[]
+    ),
+    FlagSpec("output", env="NVIDIA_CTK_CDI_OUTPUT_FILE_PATH"),
+    FlagSpec("format", env="NVIDIA_CTK_CDI_GENERATE_OUTPUT_FORMAT", default="yaml"),
+    FlagSpec(
+        "mode", aliases=("discovery-mode",), env="NVIDIA_CTK_CDI_GENERATE_MODE", default="auto"
+    ),
+    FlagSpec("dev-root", env="NVIDIA_CTK_DEV_ROOT"),
+    FlagSpec(
+        "device-name-strategy",
+        "slice",
+        env="NVIDIA_CTK_CDI_GENERATE_DEVICE_NAME_STRATEGIES",
+        default=["index", "uuid"],
+    ),
+    FlagSpec("driver-root", env="NVIDIA_CTK_DRIVER_ROOT"),
+    FlagSpec(
+        "library-search-path",
+        "slice",
+        env="NVIDIA_CTK_CDI_GENERATE_LIBRARY_SEARCH_PATHS",
+        default=[],
+    ),
+    FlagSpec("nvidia-cdi-hook-path", aliases=("nvidia-ctk-path",), env="NVIDIA_CTK_CDI_HOOK_PATH"),
+    FlagSpec("ldconfig-path", env="NVIDIA_CTK_CDI_GENERATE_LDCONFIG_PATH"),
+    FlagSpec(
+        "vendor",
+        aliases=("cdi-vendor",),
+        env="NVIDIA_CTK_CDI_GENERATE_VENDOR",
+        default="nvidia.com",
+    ),
+    FlagSpec("class", aliases=("cdi-class",), env="NVIDIA_CTK_CDI_GENERATE_CLASS", default="gpu"),
+    FlagSpec("csv.file", "slice", env="NVIDIA_CTK_CDI_GENERATE_CSV_FILES", default=[]),
+    FlagSpec(
+        "csv.ignore-pattern", "slice", env="NVIDIA_CTK_CDI_GENERATE_CSV_IGNORE_PATTERNS", default=[]
+    ),
+    FlagSpec(
+        "csv.compat-container-root",
+        since=V1_19,
+        env="NVIDIA_CTK_CDI_GENERATE_CSV_CONTAINER_COMPAT_ROOT",
+    ),
+    FlagSpec(
+        "disable-hook",
+        "slice",
+        aliases=("disable-hooks",),
+        since=V1_18,
+        env="NVIDIA_CTK_CDI_GENERATE_DISABLED_HOOKS",
+        default=[],
+    ),
+    FlagSpec(
+        "enable-hook",
+        "slice",
+        aliases=("enable-hooks",),
+        since=V1_18,
+        env="NVIDIA_CTK_CDI_GENERATE_ENABLED_HOOKS",
+        default=[],
+    ),
+    FlagSpec(
+        "feature-flag",
+        "slice",
+        aliases=("feature-flags",),
+        since=V1_18,
+        env="NVIDIA_CTK_CDI_GENERATE_FEATURE_FLAGS",
+        default=[],
+    ),
+    FlagSpec(
+        "no-all-device",
+        "bool",
+        since=V1_19,
+        env="NVIDIA_CTK_CDI_GENERATE_NO_ALL_DEVICE",
+        default=False,
+    ),
+    FlagSpec(
+        "device-id",
+        "slice",
+        aliases=("device-ids", "device", "devices"),
+        since=V1_19,
+        env="NVIDIA_CTK_CDI_GENERATE_DEVICE_IDS",
+        default=["all"],
+    ),
+    FlagSpec("help", "bool", aliases=("h",), default=False),
+)
+# Flags the stand-in parses (so they are known/unknown exactly like the real tool) but
+# does not simulate: setting them is an error here.
+NOT_SIMULATED_FLAGS = (
+    "config-search-path",
+    "library-search-path",
+    "csv.file",
+    "csv.ignore-pattern",
+    "csv.compat-container-root",
+    "feature-flag",
+)
+
+FlagValue = str | list[str] | bool
+
+
+def parse_flags(
+    args: Sequence[str], specs: Sequence[FlagSpec], ctk: Version
+) -> tuple[dict[str, FlagValue], set[str], list[str]]:
+    """Go flag-package style parsing: -x/--x, =value or next argument, stop at '--'."""
+    by_name: dict[str, FlagSpec] = {}
+    for spec in specs:
+        if spec.since <= ctk:
+            for name in (spec.name, *spec.aliases):
+                by_name[name] = spec
+    values: dict[str, FlagValue] = {}
+    explicit: set[str] = set()
+    positional: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if arg == "--":
+            positional += args[index:]
+            break
+        if not arg.startswith("-") or arg == "-":
+            positional.append(arg)
+            continue
+        body = arg[2:] if arg.startswith("--") else arg[1:]
+        if not body or body.startswith("-") or body.startswith("="):
+            raise UsageError(f"bad flag syntax: {arg}")
+        name, has_value, value = body.partition("=")
+        flag = by_name.get(name)
+        if flag is None:
+            raise UsageError(f"flag provided but not defined: -{name}")
+        if flag.kind == "bool":
+            if has_value and value.lower() not in ("true", "false", "1", "0", "t", "f"):
+                raise UsageError(f'invalid boolean value "{value}" for -{name}')
+            values[flag.name] = not has_value or value.lower() in ("true", "1", "t")
+        else:
+            if not has_value:
+                if index >= len(args):
+                    raise UsageError(f"flag needs an argument: -{name}")
+                value = args[index]
+                index += 1
+            if flag.kind == "slice":
+                previous = values.get(flag.name) if flag.name in explicit else []
+                assert isinstance(previous, list)
+                values[flag.name] = previous + [v.strip() for v in value.split(",")]
+            else:
+                values[flag.name] = value
+        explicit.add(flag.name)
+    for spec in specs:
+        if spec.name in explicit or spec.since > ctk:
+            continue
+        env_value = os.environ.get(spec.env) if spec.env else None
+        if env_value is not None:
+            explicit.add(spec.name)
+            if spec.kind == "slice":
+                values[spec.name] = [v.strip() for v in env_value.split(",")]
+            elif spec.kind == "bool":
+                values[spec.name] = env_value.lower() in ("true", "1", "t")
+            else:
+                values[spec.name] = env_value
+        else:
+            values[spec.name] = (
+                list(spec.default) if isinstance(spec.default, list) else (spec.default)
+            )
+    return values, explicit, positional
+
+
+def _str(values: dict[str, FlagValue], name: str) -> str:
+    value = values[name]
+    assert isinstance(value, str)
+    return value
+
+
+def _list(values: dict[str, FlagValue], name: str) -> list[str]:
+    value = values[name]
+    assert isinstance(value, list)
+    return value
+
+
+NAME_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+DEVICE_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+
+
+@dataclass
+class GenerateOptions:
+    output: str
+    format: str
+    format_explicit: bool
+    mode: str
+    driver_root: str
+    dev_root: str
+    strategies: list[str]
+    hook_path: str
+    ldconfig_path: str
+    vendor: str
+    cdi_class: str
+    disabled_hooks: list[str]
+    enabled_hooks: list[str]
+    no_all_device: bool
+
+
+def validate_generate(
+    values: dict[str, FlagValue], explicit: set[str], ctk: Version, log: Logger
+) -> GenerateOptions:
+    """cmd/nvidia-ctk/cdi/generate validateFlags (plus this stand-in's own limits)."""
+    fmt = _str(values, "format").lower()
+    if fmt not in ("json", "yaml"):
+        raise CtkError(f"invalid output format: {fmt}")
+    mode = _str(values, "mode").lower()
+    valid_modes = MODES_ALWAYS + (MODES_SINCE_1_18 if ctk >= V1_18 else ())
+    if mode not in valid_modes:
+        raise CtkError(f"invalid discovery mode: {mode}")
+    strategies = _list(values, "device-name-strategy")
+    for strategy in strategies:
+        if strategy not in ("index", "uuid", "type-index"):
+            raise CtkError(f"invalid device name strategy: {strategy}")
+    output = _str(values, "output")
+    implied = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(go_ext(output).lower())
+    if implied:
+        if "format" not in explicit:
+            fmt = implied
+        elif implied != fmt:
+            log.warning(
+                f'Requested output format "{fmt}" does not match format implied by '
+                f'output file name: "{implied}"'
+            )
+    vendor, cdi_class = _str(values, "vendor"), _str(values, "class")
+    if not NAME_RE.match(vendor):
+        raise CtkError(f'invalid CDI vendor name: invalid vendor "{vendor}"')
+    if not NAME_RE.match(cdi_class):
+        raise CtkError(f'invalid CDI class name: invalid class "{cdi_class}"')
+    disabled = _list(values, "disable-hook") if "disable-hook" in values else []
+    enabled = _list(values, "enable-hook") if "enable-hook" in values else []
+    if "all" in enabled:
+        raise CtkError("enabling all hooks is not supported")
+    known = HOOKS_ALWAYS + ((HOOK_APPLICATION_PROFILE,) if ctk >= V1_20 else ())
+    for hook in [*disabled, *enabled]:
+        if hook != "all" and hook not in known:
+            raise CtkError(
+                f'unknown hook name "{hook}" (this stand-in is strict; known: {", ".join(known)})'
+            )
+    for name in NOT_SIMULATED_FLAGS:
+        if name in explicit and values.get(name):
+            raise CtkError(f"--{name} is not simulated by this nvidia-ctk test stand-in")
+    device_ids = values.get("device-id", ["all"])
+    if device_ids != ["all"]:
+        raise CtkError(f"--device-id {device_ids} is not simulated by this test stand-in")
+    driver_root = _str(values, "driver-root") or "/"
+    hook_path = _str(values, "nvidia-cdi-hook-path") or DEFAULT_HOOK_PATH
+    return GenerateOptions(
+        output=output,
+        format=fmt,
+        format_explicit="format" in explicit,
+        mode=mode,
+        driver_root=driver_root,
+        dev_root=_str(values, "dev-root") or driver_root,
+        strategies=strategies,
+        hook_path=hook_path,
+        ldconfig_path=_str(values, "ldconfig-path"),
+        vendor=vendor,
+        cdi_class=cdi_class,
+        disabled_hooks=disabled,
+        enabled_hooks=enabled,
+        no_all_device=bool(values.get("no-all-device", False)),
+    )
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def device_names(strategies: Sequence[str], index: int, uuid: str) -> list[str]:
+    names = {"index": str(index), "uuid": uuid, "type-index": f"gpu{index}"}
+    return [names[s] for s in strategies]
+
+
+def minimum_cdi_version(spec: dict[str, Any]) -> str:
+    """specs-go version.go: the lowest spec version that can express this spec."""
+    all_edits = [spec["containerEdits"]] + [d["containerEdits"] for d in spec["devices"]]
+    if any(e.get("additionalGids") for e in all_edits):
+        return "0.7.0"
+    if any(d.get("annotations") for d in spec["devices"]) or "." in spec["kind"].split("/")[-1]:
+        return "0.6.0"
+    if any(d["name"][:1].isdigit() for d in spec["devices"]) or any(
+        n.get("hostPath") for e in all_edits for n in e.get("deviceNodes", [])
+    ):
+        return "0.5.0"
+    if any(m.get("type") for e in all_edits for m in e.get("mounts", [])):
+        return "0.4.0"
+    return "0.3.0"
+
+
+def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str, Any]:
+    """cmd/nvidia-ctk/cdi/generate generateSpecs, for the nvml and management modes."""
+    lib_locator = Locator(log, opts.driver_root, LIBRARY_SEARCH_DIRS, resolve=True)
+    try:
+        nvml_library: str | None = lib_locator.locate("libnvidia-ml.so.1")[0]
+        log.info(f"Using {nvml_library}")
+    except CtkError as exc:
+        log.warning(f"Ignoring error in locating libnvidia-ml.so.1: {exc}")
+        nvml_library = None
+    gpus = [g.strip() for g in os.environ.get("FAKE_NVIDIA_CTK_GPUS", "").split(",") if g.strip()]
+    nvml = FakeNvml(nvml_library, gpus)
+    try:
+        nvml_version = nvml.driver_version()
+    except CtkError as exc:
+        log.warning(f"Could not determine driver version: {exc}")
+        nvml_version = ""
+
+    mode = opts.mode
+    if mode == "auto":
+        if nvml_library is None:
+            log.warning("Unsupported platform detected: unknown; assuming nvml")
+        mode = "nvml"
+        log.info(f"Auto-detected mode as '{mode}'")
+    if mode not in SIMULATED_MODES:
+        raise CtkError(
+            f'failed to create CDI library: unsupported mode "{mode}" '
+            "(not simulated by this nvidia-ctk test stand-in)"
+        )
+    disabled = list(opts.disabled_hooks)
+    if mode == "management":
+        disabled.append("disable-device-node-modification")
+    hooks = HookCreator(opts.hook_path, opts.ldconfig_path, disabled, opts.enabled_hooks)
+    driver = Driver(log, opts.driver_root, opts.dev_root, nvml_version)
+
+    devices: list[tuple[str, Edits]] = []
+    if mode == "management":
+        nodes = device_edits(
+            log, opts.dev_root, MANAGEMENT_DEVICE_PATTERNS, ctk, MANAGEMENT_BLOCKED_PREFIXES
+        )
+        if not nodes.device_nodes:
+            raise CtkError("failed to create device CDI specs: no NVIDIA device nodes found")
+        devices.append(("all", nodes))
+        try:
+            common = driver_edits(log, driver, hooks, ctk)
+        except CtkError as exc:
+            raise CtkError(
+                "failed to create edits common for entities: "
+                f"failed to create driver library discoverer: {exc}"
+            ) from exc
+    else:
+        error = nvml.init_error()
+        if error is not None:
+            raise CtkError(
+                "failed to create device CDI specs: failed to construct device spec "
+                f"generators: failed to initialize NVML: {error}"
+            )
+        for index, uuid in enumerate(nvml.gpus):
+            gpu_edits = device_edits(log, opts.dev_root, [f"/dev/nvidia{index}"], ctk)
+            for name in device_names(opts.strategies, index, uuid):
+                devices.append((name, gpu_edits))
+        common = device_edits(log, opts.dev_root, CONTROL_DEVICE_PATTERNS, ctk)
+        try:
+            common.extend(driver_edits(log, driver, hooks, ctk))
+        except CtkError as exc:
+            raise CtkError(
+                "failed to create edits common for entities: failed to create discoverer "
+                f"for common entities: failed to create discoverer for driver files: {exc}"
+            ) from exc
+        if ctk >= V1_20:
+            profile = hooks.create(HOOK_APPLICATION_PROFILE)
+            if profile is not None:
+                common.hooks.append(profile)
+    common.env.append("NVIDIA_VISIBLE_DEVICES=void")
+
+    device_specs = [(name, edits.without(common)) for name, edits in devices]
+    if not opts.no_all_device and all(name != "all" for name, _ in device_specs):
+        merged = Edits()
+        for _, edits in device_specs:
+            merged.extend(edits)
+        device_specs.append(("all", merged.without(Edits())))
+    for name, _ in device_specs:
+        if not DEVICE_NAME_RE.match(name):
+            raise CtkError(f'invalid device name "{name}"')
+    spec: dict[str, Any] = {
+        "cdiVersion": "",
+        "kind": f"{opts.vendor}/{opts.cdi_class}",
+        "devices": [{"name": n, "containerEdits": e.to_spec()} for n, e in device_specs],
+        "containerEdits": common.to_spec(),
+    }
+    spec["cdiVersion"] = minimum_cdi_version(spec)
+    return spec
+
+
+def render(spec: dict[str, Any] | str, fmt: str) -> str:
+    if isinstance(spec, str):
+        return spec
+    if fmt == "json":
+        return json.dumps(spec, separators=(",", ":"))
+    import yaml  # here, not at the top: --version and the failure paths do not pay for it
+
+    # libyaml's emitter writes what yaml.safe_dump writes, ~25 ms sooner per spec.
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return "---\n" + yaml.dump(spec, Dumper=dumper, sort_keys=True, default_flow_style=False,
+                               width=4096)
+
+
+def corrupt(spec: dict[str, Any], how: str) -> dict[str, Any] | str:
+    if how == "garbage":
+        return GARBAGE_SPEC
+    if how == "nokind":
+        del spec["kind"]
+    elif how == "wrongkind":
+        spec["kind"] = "example.com/device"
+    elif how == "nodevices":
+        spec["devices"] = []
+    elif how == "staging":
+        mounts = spec["containerEdits"].setdefault("mounts", [])
+        target = next((m for m in mounts if "/libcuda.so." in m["containerPath"]), None)
+        if target is None:
+            target = {
+                "containerPath": "/lib/x86_64-linux-gnu/libcuda.so.1",
+                "options": list(MOUNT_OPTIONS),
+            }
+            mounts.append(target)
+        target["hostPath"] = go_join(STAGING_PREFIX, posixpath.basename(target["containerPath"]))
+    return spec
+
+
+def save(spec: dict[str, Any] | str, opts: GenerateOptions, log: Logger) -> None:
+    """pkg/nvcdi/spec Save + the CDI cache's WriteSpec (temp file, rename, chmod 0644)."""
+    if not opts.output:
+        sys.stdout.write(render(spec, opts.format))
+        sys.stdout.flush()
+        return
+    path = opts.output
+    if go_ext(path) not in (".yaml", ".json"):
+        path += ".json" if opts.format == "json" else ".yaml"
+    if go_clean(os.path.dirname(path) or ".") == ".":
+        path = os.path.join(os.getcwd(), path)
+    data = render(spec, "json" if go_ext(path) == ".json" else "yaml")
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="spec.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise CtkError(f"failed to write spec: {exc}") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(data)
+        os.rename(tmp, path)
+        os.chmod(path, 0o644)
+    except OSError as exc:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise CtkError(f"failed to write spec: {exc}") from exc
+    log.info(f"Wrote CDI spec to {path}")
+
+
+def apply_process_knobs() -> None:
+    """FAKE_NVIDIA_CTK_SIGNAL / FAKE_NVIDIA_CTK_HANG (before anything is discovered/written)."""
+    name = os.environ.get("FAKE_NVIDIA_CTK_SIGNAL", "")
+    if name:
+        signum = {"KILL": signal.SIGKILL, "SEGV": signal.SIGSEGV}.get(name.upper())
+        if signum is None:
+            raise KnobError(f"FAKE_NVIDIA_CTK_SIGNAL={name}: expected KILL or SEGV")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if signum != signal.SIGKILL:
+            signal.signal(signum, signal.SIG_DFL)  # also overrides faulthandler's handler
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # not reached: the signal is delivered first
+    if os.environ.get("FAKE_NVIDIA_CTK_HANG", "") not in ("", "0"):
+        while True:
+            time.sleep(3600)
+
+
+def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:
+    values, explicit, positional = parse_flags(args, GENERATE_FLAGS, ctk)
+    if values.get("help"):
+        print(
+            "NAME:\n   nvidia-ctk cdi generate - Generate CDI specifications for use with "
+            "CDI-enabled runtimes\n\nUSAGE:\n   nvidia-ctk cdi generate [options]"
+        )
+        return 0
+    if positional:
+        raise UsageError(f"unexpected arguments: {' '.join(positional)} (stand-in is strict)")
+    opts = validate_generate(values, explicit, ctk, log)
+    how = os.environ.get("FAKE_NVIDIA_CTK_CORRUPT", "")
+    if how and how not in CORRUPTIONS:
+        raise KnobError(f"FAKE_NVIDIA_CTK_CORRUPT={how}: expected one of {CORRUPTIONS}")
+    apply_process_knobs()
+    try:
+        spec = generate_spec(opts, ctk, log)
+    except CtkError as exc:
+        raise CtkError(f"failed to generate CDI spec: {exc}") from exc
+    save(corrupt(spec, how) if how else spec, opts, log)
+    log.info(f"Generated CDI spec with version {spec['cdiVersion']}")
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_version(text: str) -> Version:
+    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.-]*)?", text)
+    if not match:
+        raise KnobError(f"FAKE_NVIDIA_CTK_VERSION={text!r} is not a version like 1.20.0")
+    major, minor, patch = (int(g) for g in match.groups())
+    return major, minor, patch
+
+
+def log_invocation(argv: Sequence[str]) -> None:
+    path = os.environ.get("FAKE_NVIDIA_CTK_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(list(argv)) + "\n")
+
+
+GLOBAL_FLAGS = (
+    FlagSpec("debug", "bool", aliases=("d",), default=False),
+    FlagSpec("quiet", "bool", default=False),
+    FlagSpec("config", aliases=("c",)),
+    FlagSpec("version", "bool", aliases=("v",), default=False),
+    FlagSpec("help", "bool", aliases=("h",), default=False),
+)
+
+
+def split_global(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split '[global flags] command ...' (global string flags take a value)."""
+    index = 0
+    while index < len(args) and args[index].startswith("-") and args[index] != "--":
+        name = args[index].lstrip("-").partition("=")[0]
+        takes_value = name in ("config", "c") and "=" not in args[index]
+        index += 2 if takes_value else 1
+    return list(args[:index]), list(args[index:])
+
+
+def fail_usage(log: Logger, message: str) -> NoReturn:
+    sys.stderr.write(f"Incorrect Usage: {message}\n\n")
+    sys.stderr.write("USAGE:\n   nvidia-ctk [global options] command [command options]\n\n")
+    log.error(message)
+    sys.exit(1)
+
+
+def main(argv: Sequence[str]) -> int:
+    log_invocation(argv)
+    version_text = os.environ.get("FAKE_NVIDIA_CTK_VERSION", DEFAULT_VERSION)
+    log = Logger()
+    try:
+        ctk = parse_version(version_text)
+        global_args, rest = split_global(argv)
+        values, _, _ = parse_flags(global_args, GLOBAL_FLAGS, ctk)
+        if values["debug"]:
+            log = Logger("debug")
+        elif values["quiet"]:
+            log = Logger("error")
+        if values["version"]:
+            import hashlib
+
+            commit = (
+                KNOWN_COMMITS.get(version_text) or hashlib.sha1(version_text.encode()).hexdigest()
+            )
+            print(f"NVIDIA Container Toolkit CLI version {version_text}\ncommit: {commit}")
+            return 0
+        if not rest or values["help"]:
+            print(
+                "NAME:\n   NVIDIA Container Toolkit CLI - Tools to configure the NVIDIA "
+                "Container Toolkit\n\nUSAGE:\n   nvidia-ctk [global options] command"
+            )
+            return 0
+        if rest[:2] == ["cdi", "generate"]:
+            return run_generate(rest[2:], ctk, log)
+        sys.stderr.write(
+            f"No help topic for '{' '.join(rest[:2])}' (test stand-in supports "
+            "only --version and cdi generate)\n"
+        )
+        return 3
+    except UsageError as exc:
+        fail_usage(log, str(exc))
+    except CtkError as exc:
+        log.error(str(exc))
+        return 1
+    except KnobError as exc:
+        sys.stderr.write(f"nvidia-ctk test stand-in: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
