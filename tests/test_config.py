@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +89,33 @@ def test_unknown_command_is_a_usage_error(tmp_path: Path, cli: Cli) -> None:
 def test_version(cli: Cli) -> None:
     out = cli(None, "--version")
     assert out.code == 0 and out.stdout.startswith("unbounded-nvidia-setup ")
+
+
+@pytest.mark.parametrize("args", [("--version",), ("--root", "{root}", "status"),
+                                  ("--root", "{root}", "check", "--json")])
+def test_output_into_a_closed_pipe_is_not_an_error(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """`unbounded-nvidia-setup status | head -c0`: the reader is gone before the output is
+    written (at once, or from the buffer at exit). That fails the command with 1, as click
+    does, without a traceback or an "Exception ignored" note; buffered or not."""
+    read, write = os.pipe()
+    os.close(read)
+    argv = [a.format(root=tmp_path) for a in args]
+    try:
+        for unbuffered in ("", "1"):
+            env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+            proc = subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", *argv],
+                                  stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+                                  timeout=60, check=False)
+            assert proc.returncode == 1, proc.stderr
+            assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    finally:
+        os.close(write)
+
+
+def test_output_is_complete_through_a_pipe(tmp_path: Path) -> None:
+    """The process ends without the interpreter's teardown: buffered output must still
+    arrive whole."""
+    proc = subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
+                           str(tmp_path), "check", "--json"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["gpu"] is False
