@@ -534,21 +534,24 @@ def timed_baseline(bench: Bench) -> float:
 # and do. ru_maxrss is NOT used: Linux folds the pre-exec address space (the forking
 # benchmark's) into it at execve.
 _RSS_WRAPPER = """\
-import re, sys
+import os, sys
 out = sys.argv.pop(1)
 sys.argv[0] = "unbounded-nvidia-setup"
-code = 0
-try:
-    from unbounded_nvidia_setup.__main__ import main
-    main()
-except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-finally:
+real_exit = os._exit
+
+
+def exit_after_writing_hwm(code):
+    # The command ends with os._exit (no interpreter teardown): VmHWM is read just before.
     with open("/proc/self/status") as f:
         hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
     with open(out, "w") as f:
         f.write(str(hwm))
-sys.exit(code)
+    real_exit(code)
+
+
+os._exit = exit_after_writing_hwm
+from unbounded_nvidia_setup.__main__ import main
+main()
 """
 
 
@@ -562,8 +565,12 @@ class Rss:
 def peak_rss(bench: Bench, scratch: Path) -> Rss:
     reset(bench)
     out = scratch / "rss"
+    out.unlink(missing_ok=True)
     done = run([str(PYTHON), "-c", _RSS_WRAPPER, str(out), "--root", str(bench.root), "run"],
                poll_hwm=True)
+    if not out.exists():
+        raise BenchError("the RSS wrapper wrote no VmHWM: the command no longer ends in "
+                         "os._exit? adjust _RSS_WRAPPER in bench/run.py")
     return Rss(int(out.read_text()), done.hwm_kib, done.seconds)
 
 
