@@ -183,8 +183,12 @@ def is_library_name(name: str, extra_prefixes: tuple[str, ...] = ()) -> bool:
 
 
 def _entries(directory: Path) -> list[str]:
+    return [os.fsdecode(name) for name in _raw_entries(directory)]
+
+
+def _raw_entries(directory: Path) -> list[bytes]:
     try:
-        return os.listdir(directory)
+        return os.listdir(os.fsencode(directory))
     except FileNotFoundError:
         return []
     except NotADirectoryError:
@@ -197,13 +201,18 @@ def _entries(directory: Path) -> list[str]:
 def scan(machine: Machine, dirs: list[Path]) -> Scan:
     """Find driver libraries, their links, helpers and firmware by name."""
     extra = machine.config.extra_library_prefixes
+    # A host lib dir holds thousands of other names: listed as bytes and matched on their
+    # first bytes, they cost little more than the kernel's readdir; only candidates are
+    # decoded.
+    prefixes = tuple(os.fsencode(p) for p in LIBRARY_PREFIXES + extra)
     root = Path(os.path.realpath(machine.root))
     result = Scan()
     seen: set[Path] = set()
     for index, directory in enumerate(dirs):
         base = Path(os.path.realpath(directory))
         for subdir in ("", VDPAU):
-            for name in _entries(base / subdir):
+            candidates = [n for n in _raw_entries(base / subdir) if n.startswith(prefixes)]
+            for name in map(os.fsdecode, candidates):
                 if not is_library_name(name, extra):
                     continue
                 relative = f"{subdir}/{name}" if subdir else name
