@@ -1,7 +1,8 @@
 """A Debian trixie machine rootfs for boot tests, built once and cached.
 
 :func:`fresh_rootfs` gives a bootable rootfs at ``dest``: debootstrap ``minbase`` of trixie
-(systemd 257, python3 and the product's four runtime dependencies from Debian) plus what
+(systemd 257, python3 and the product's two runtime dependencies from Debian, and
+nothing else Python: the installed package must do without click and pyelftools) plus what
 every test boot needs (see :data:`CUSTOMIZATION`):
 
 * stand-ins for ``containerd.service`` and ``kubelet.service``, installed and enabled like
@@ -53,8 +54,6 @@ INCLUDE = (
     "dbus",
     "python3",
     "python3-yaml",
-    "python3-click",
-    "python3-pyelftools",
     "python3-sdnotify",
 )
 HOSTNAME = "gpu-node"

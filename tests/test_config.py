@@ -82,8 +82,21 @@ def test_explicit_missing_config_is_a_usage_error(tmp_path: Path, cli: Cli) -> N
     assert out.code == 2 and "does not exist" in out.stderr
 
 
-def test_unknown_command_is_a_usage_error(tmp_path: Path, cli: Cli) -> None:
-    assert cli(tmp_path, "frobnicate").code == 2
+@pytest.mark.parametrize(("args", "needle"), [
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    ((), "required: COMMAND"),
+    (("run", "--frobnicate"), "unrecognized arguments: --frobnicate"),
+])
+def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, cli: Cli, args: tuple[str, ...],
+                                              needle: str) -> None:
+    out = cli(tmp_path, *args)
+    assert out.code == 2 and out.lines == out.errors and len(out.errors) == 1, out
+    assert needle in out.errors[0] and "--help" in out.errors[0], out
+
+
+def test_root_must_be_a_directory(tmp_path: Path, cli: Cli) -> None:
+    out = cli(tmp_path / "missing", "status")
+    assert out.code == 2 and len(out.errors) == 1 and "does not exist" in out.errors[0], out
 
 
 def test_version(cli: Cli) -> None:
@@ -91,12 +104,13 @@ def test_version(cli: Cli) -> None:
     assert out.code == 0 and out.stdout.startswith("unbounded-nvidia-setup ")
 
 
-@pytest.mark.parametrize("args", [("--version",), ("--root", "{root}", "status"),
+@pytest.mark.parametrize("args", [("--version",), ("--help",), ("--root", "{root}", "--version"),
+                                  ("--root", "{root}", "status"),
                                   ("--root", "{root}", "check", "--json")])
 def test_output_into_a_closed_pipe_is_not_an_error(tmp_path: Path, args: tuple[str, ...]) -> None:
     """`unbounded-nvidia-setup status | head -c0`: the reader is gone before the output is
-    written (at once, or from the buffer at exit). That fails the command with 1, as click
-    does, without a traceback or an "Exception ignored" note; buffered or not."""
+    written (at once, or from the buffer at exit). That fails the command with 1, without a
+    traceback or an "Exception ignored" note; buffered or not."""
     read, write = os.pipe()
     os.close(read)
     argv = [a.format(root=tmp_path) for a in args]

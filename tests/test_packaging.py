@@ -345,8 +345,8 @@ def test_deb_control(deb: Path) -> None:
     assert field("Version") == pyproject_version()
     assert field("Architecture") == "all"
     depends = {d.strip().split()[0] for d in field("Depends").split(",")}
-    assert {"python3-yaml", "python3-click",
-            "python3-sdnotify"} <= depends, depends
+    assert {"python3-yaml", "python3-sdnotify"} <= depends, depends
+    assert not depends & {"python3-click", "python3-pyelftools"}, depends
     assert depends & {"python3", "python3:any"}, depends
     info = sh("dpkg-deb", "-I", deb).stdout
     assert "preinst" not in info, "a preinst would stop the unit before upgrades"
@@ -391,8 +391,8 @@ def test_install_dpkg_root_and_purge(trixie: Path, deb: Path) -> None:
     assert "Setting up unbounded-nvidia-setup" in res.stdout
     assert_installed_offline(trixie)
     # Debian's python3 packages satisfy the program (imports happen in the rootfs).
-    in_root(trixie, "python3", "-c", "import click, sdnotify, yaml, "
-            "unbounded_nvidia_setup.__main__")
+    in_root(trixie, "python3", "-c", "import sdnotify, yaml, unbounded_nvidia_setup.cli, "
+            "unbounded_nvidia_setup.reconcile, unbounded_nvidia_setup.check")
     assert in_root(trixie, PACKAGE, "--version").stdout.strip()
     # No NVIDIA device in the chroot: `check` is healthy (no GPU, no state).
     assert in_root(trixie, PACKAGE, "check", check=False).returncode == 0

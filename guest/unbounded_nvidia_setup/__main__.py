@@ -20,13 +20,13 @@ def main() -> NoReturn:
         except BrokenPipeError:
             _exit(1)
         _exit(0)
-    from .cli import cli
+    from .cli import main as cli
 
     try:
-        cli(prog_name="unbounded-nvidia-setup")
+        code = cli(sys.argv[1:])
     except SystemExit as e:
         _exit(e.code)
-    _exit(0)
+    _exit(code)
 
 
 def _exit(code: object) -> NoReturn:
@@ -35,7 +35,7 @@ def _exit(code: object) -> NoReturn:
     take back anyway. Nothing else is pending by now: children were waited for, copy
     threads joined and files closed by their context managers; only the standard
     streams hold buffered text. Output that cannot be written (the reader of a pipe went
-    away) fails the command with 1, as click does for writes it makes itself."""
+    away) fails the command with 1."""
     if code is None:
         status = 0
     elif isinstance(code, int):

@@ -1,20 +1,26 @@
-"""The command line: `unbounded-nvidia-setup [--root DIR] [--config FILE] COMMAND`."""
+"""The command line: `unbounded-nvidia-setup [--root DIR] [--config FILE] COMMAND`.
+
+argparse, not click: click's imports cost ~12 ms before anything else happens, on every
+boot of every GPU node. Usage errors are one line and exit 2, like every other failure."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
-
-import click
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from . import __version__, log
 from .config import Machine, load_config
-from .log import EXIT_FAILED, Failure
+from .log import EXIT_FAILED, EXIT_USAGE, Failure
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 T = TypeVar("T")
+PROG = "unbounded-nvidia-setup"
 
 
 def _guarded(action: Callable[[], T]) -> T:
@@ -30,86 +36,131 @@ def _guarded(action: Callable[[], T]) -> T:
         sys.exit(130)
 
 
-def _machine(ctx: click.Context) -> Machine:
-    root: Path = ctx.obj["root"]
-    config, _ = load_config(root, ctx.obj["config"])
-    return Machine.create(root, config)
+def _echo(text: str) -> None:
+    """Print a result. A reader that went away (`status | head -c0`) fails the command
+    with 1; the buffered case is handled at exit (__main__._exit)."""
+    try:
+        print(text)
+    except BrokenPipeError:
+        sys.exit(EXIT_FAILED)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="unbounded-nvidia-setup")
-@click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default="/", show_default=True,
-              help="Resolve every path the tool reads or writes under DIR.", metavar="DIR")
-@click.option("--config", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Config file [default: <root>/etc/unbounded/nvidia-setup.yaml].",
-              metavar="FILE")
-@click.option("-v", "--verbose", is_flag=True, help="Also log debug lines.")
-@click.pass_context
-def cli(ctx: click.Context, root: Path, config: Path | None, verbose: bool) -> None:
-    """Build the NVIDIA driver root and CDI spec of a GPU node machine."""
-    log.set_verbose(verbose)
-    ctx.obj = {"root": Path(os.path.abspath(root)), "config": config}
+def _machine(args: argparse.Namespace) -> Machine:
+    config, _ = load_config(args.root, args.config)
+    return Machine.create(args.root, config)
 
 
-@cli.command()
-@click.option("--force", is_flag=True,
-              help="Swap the driver root even while containerd or kubelet run.")
-@click.pass_context
-def run(ctx: click.Context, force: bool) -> None:
-    """Reconcile: rebuild the driver root and the CDI spec from the staging mounts."""
+def run(args: argparse.Namespace) -> int:
     from .reconcile import reconcile
 
-    _guarded(lambda: reconcile(_machine(ctx), force=force))
+    _guarded(lambda: reconcile(_machine(args), force=args.force))
+    return 0
 
 
-@cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.pass_context
-def check(ctx: click.Context, as_json: bool) -> None:
-    """Validate the live state; change nothing. Exit 1 on problems."""
+def check(args: argparse.Namespace) -> int:
     from .check import collect
     from .lock import locked
 
     def action() -> int:
-        machine = _machine(ctx)
+        machine = _machine(args)
         with locked(machine, exclusive=False):
             report = collect(machine)
-        if as_json:
+        if args.as_json:
             import json
 
-            click.echo(json.dumps(report.to_json(), indent=2))
+            _echo(json.dumps(report.to_json(), indent=2))
         else:
-            for p in report.problems:
-                click.echo(f"{p.code}: {log.one_line(p.message)}")
-            click.echo("ok" if report.ok else f"{len(report.problems)} problems")
+            _echo("".join(f"{p.code}: {log.one_line(p.message)}\n" for p in report.problems)
+                  + ("ok" if report.ok else f"{len(report.problems)} problems"))
         return 0 if report.ok else EXIT_FAILED
 
-    sys.exit(_guarded(action))
+    return _guarded(action)
 
 
-@cli.command()
-@click.pass_context
-def status(ctx: click.Context) -> None:
-    """Summarize GPU, driver root, spec and problems."""
+def status(args: argparse.Namespace) -> int:
     from .check import collect, render_status
     from .lock import locked
 
     def action() -> None:
-        machine = _machine(ctx)
+        machine = _machine(args)
         with locked(machine, exclusive=False):
             report = collect(machine)
-        click.echo(render_status(machine, report))
+        _echo(render_status(machine, report))
 
     _guarded(action)
+    return 0
 
 
-@cli.command()
-@click.option("--force", is_flag=True,
-              help="Remove the driver root even while containerd or kubelet run.")
-@click.pass_context
-def clean(ctx: click.Context, force: bool) -> None:
-    """Remove the driver root, the CDI spec and the ld.so.conf drop-in."""
+def clean(args: argparse.Namespace) -> int:
     from .reconcile import clean as do_clean
 
-    _guarded(lambda: do_clean(_machine(ctx), force=force))
+    _guarded(lambda: do_clean(_machine(args), force=args.force))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, exit 2 (argparse would print the usage block first)."""
+        log.error(f"{message}; see `{PROG} --help`")
+        sys.exit(EXIT_USAGE)
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """--help and --version output; argparse would drop a failed write and exit 0."""
+        if message:
+            try:
+                (file or sys.stderr).write(message)
+            except BrokenPipeError:
+                sys.exit(EXIT_FAILED)
+
+
+def _directory(value: str) -> Path:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"directory {value!r} does not exist")
+    return Path(os.path.abspath(value))
+
+
+def _file(value: str) -> Path:
+    if os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory, not a config file")
+    return Path(value)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog=PROG, description="Build the NVIDIA driver root and CDI spec of a GPU "
+                  "node machine.")
+    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    top.add_argument("--root", type=_directory, default=Path("/"), metavar="DIR",
+                     help="resolve every path the tool reads or writes under DIR "
+                          "(default: /)")
+    top.add_argument("--config", type=_file, default=None, metavar="FILE",
+                     help="config file (default: <root>/etc/unbounded/nvidia-setup.yaml)")
+    top.add_argument("-v", "--verbose", action="store_true", help="also log debug lines")
+    commands = top.add_subparsers(metavar="COMMAND", required=True,
+                                  parser_class=_Parser)
+
+    def command(name: str, action: Callable[[argparse.Namespace], int],
+                summary: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary + ".")
+        sub.set_defaults(action=action)
+        return sub
+
+    command("run", run, "reconcile: rebuild the driver root and the CDI spec from the "
+            "staging mounts").add_argument(
+        "--force", action="store_true",
+        help="swap the driver root even while containerd or kubelet run")
+    command("check", check, "validate the live state; change nothing; exit 1 on "
+            "problems").add_argument(
+        "--json", dest="as_json", action="store_true", help="print one JSON object")
+    command("status", status, "summarize GPU, driver root, spec and problems")
+    command("clean", clean, "remove the driver root, the CDI spec and the ld.so.conf "
+            "drop-in").add_argument(
+        "--force", action="store_true",
+        help="remove the driver root even while containerd or kubelet run")
+    return top
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    log.set_verbose(args.verbose)
+    action: Callable[[argparse.Namespace], int] = args.action
+    return action(args)
