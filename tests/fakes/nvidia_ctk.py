@@ -56,7 +56,6 @@ Test knobs (environment):
 
 from __future__ import annotations
 
-import datetime
 import fnmatch
 import glob
 import json
@@ -67,7 +66,6 @@ import signal
 import stat
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -183,8 +181,10 @@ class Logger:
     def _emit(self, level: str, msg: str) -> None:
         if self.LEVELS[level] < self.threshold:
             return
-        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        stamp = now.replace("+00:00", "Z")
+        # logrus's RFC 3339 stamp (time, not datetime: ~3 ms less start-up per call)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        offset = now[-5:]
+        stamp = now[:-5] + ("Z" if offset == "+0000" else f"{offset[:3]}:{offset[3:]}")
         quoted = json.dumps(msg, ensure_ascii=False)
         sys.stderr.write(f'time="{stamp}" level={level} msg={quoted}\n')
 
@@ -1225,7 +1225,9 @@ def save(spec: dict[str, Any] | str, opts: GenerateOptions, log: Logger) -> None
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="spec.", suffix=".tmp", dir=directory)
+        # Go's os.CreateTemp: a fresh name, O_EXCL, 0600 (tempfile costs ~5 ms to import)
+        tmp = os.path.join(directory, f"spec.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise CtkError(f"failed to write spec: {exc}") from exc
     try:
