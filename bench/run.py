@@ -920,11 +920,36 @@ def import_costs(bench: Bench, top: int) -> list[str]:
     return out
 
 
+# `python -m cProfile` writes its file after the program returns, which the command never
+# does (it ends in os._exit): the profile is written in a hook on os._exit instead.
+_PROFILE_WRAPPER = """\
+import cProfile, os, sys
+out = sys.argv.pop(1)
+sys.argv[0] = "unbounded-nvidia-setup"
+real_exit = os._exit
+profiler = cProfile.Profile()
+
+
+def exit_after_writing_profile(code):
+    profiler.disable()
+    profiler.dump_stats(out)
+    real_exit(code)
+
+
+os._exit = exit_after_writing_profile
+profiler.enable()
+from unbounded_nvidia_setup.__main__ import main
+main()
+"""
+
+
 def cprofile_costs(bench: Bench, scratch: Path, top: int) -> list[str]:
     reset(bench)
     prof = scratch / "cold.prof"
-    run([str(PYTHON), "-m", "cProfile", "-o", str(prof), str(TOOL), "--root", str(bench.root),
-         "run"])
+    prof.unlink(missing_ok=True)
+    run([str(PYTHON), "-c", _PROFILE_WRAPPER, str(prof), "--root", str(bench.root), "run"])
+    if not prof.exists():
+        raise BenchError("the cProfile wrapper wrote no profile: adjust _PROFILE_WRAPPER")
     stats = pstats.Stats(str(prof))
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = (
         stats.stats)  # type: ignore[attr-defined]
