@@ -815,7 +815,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                    f"{'PASS' if t['pass'] else 'FAIL'} |")
     pay = result["payload_bytes"]
     ent = result["staging_entries"]
-    out += ["", "| run | median |", "|---|---|"]
+    # The quartiles show the noise each median sits in (this VM's copies sometimes take
+    # several times as long, in kernel time, for either side).
+    out += ["", "| run | median | middle half of the samples |", "|---|---|---|"]
     labels = {
         "cold": f"cold `run`, {ent['small']} staging entries, {pay['x1'] / 1e6:.0f} MB payload",
         "baseline": "baseline script (cp -a, nvidia-ctk, ldconfig), same machine",
@@ -830,9 +832,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "python_pass": "`python -c pass` (same interpreter)",
     }
     for key, label in labels.items():
-        value = med[key]
-        shown = f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
-        out.append(f"| {label} | {shown} |")
+        q1, _, q3 = statistics.quantiles(result["samples_seconds"][key], n=4)
+        out.append(f"| {label} | {_shown(med[key])} | {_shown(q1)} - {_shown(q3)} |")
     out += ["", f"Payload growth: cold x2/x1 {ex['cold_x2_over_x1']:.2f}, baseline x2/x1 "
             f"{ex['baseline_x2_over_x1']:.2f}; cold/baseline {ex['cold_baseline_x1_phase2']:.2f} "
             f"at x1 and {ex['cold_baseline_x2']:.2f} at x2; marginal cost "
@@ -918,6 +919,10 @@ def import_costs(bench: Bench, top: int) -> list[str]:
     out += [f"    {r[0] / 1000:7.1f} ms self  {r[1] / 1000:7.1f} ms cum  {'  ' * (r[2] - 1)}"
             f"{r[3]}" for r in extra]
     return out
+
+
+def _shown(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 # `python -m cProfile` writes its file after the program returns, which the command never
