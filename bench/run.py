@@ -1044,8 +1044,8 @@ def profile(top: int, repeat: int, entries: int, scale: float) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=21,
-                        help="alternating rounds at scale 1.0 (default 21)")
+    parser.add_argument("--pairs", type=int, default=31,
+                        help="alternating rounds at scale 1.0 (default 31)")
     parser.add_argument("--pairs-x2", type=int, default=11,
                         help="alternating rounds of payload x1 and x2 (default 11)")
     parser.add_argument("--version-rounds", type=int, default=60,
