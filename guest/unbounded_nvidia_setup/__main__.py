@@ -12,21 +12,24 @@ if TYPE_CHECKING:
 
 
 def main() -> NoReturn:
-    if sys.argv[1:] == ["--version"]:
+    try:
+        code: object = _command(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code
+    except BrokenPipeError:  # stdout's reader went away: the only pipe this process writes
+        code = 1
+    _exit(code)
+
+
+def _command(argv: list[str]) -> int:
+    if argv == ["--version"]:
         from . import __version__
 
-        try:
-            print(f"unbounded-nvidia-setup {__version__}")
-        except BrokenPipeError:
-            _exit(1)
-        _exit(0)
+        print(f"unbounded-nvidia-setup {__version__}")
+        return 0
     from .cli import main as cli
 
-    try:
-        code = cli(sys.argv[1:])
-    except SystemExit as e:
-        _exit(e.code)
-    _exit(code)
+    return cli(argv)
 
 
 def _exit(code: object) -> NoReturn:

@@ -36,15 +36,6 @@ def _guarded(action: Callable[[], T]) -> T:
         sys.exit(130)
 
 
-def _echo(text: str) -> None:
-    """Print a result. A reader that went away (`status | head -c0`) fails the command
-    with 1; the buffered case is handled at exit (__main__._exit)."""
-    try:
-        print(text)
-    except BrokenPipeError:
-        sys.exit(EXIT_FAILED)
-
-
 def _machine(args: argparse.Namespace) -> Machine:
     config, _ = load_config(args.root, args.config)
     return Machine.create(args.root, config)
@@ -68,10 +59,11 @@ def check(args: argparse.Namespace) -> int:
         if args.as_json:
             import json
 
-            _echo(json.dumps(report.to_json(), indent=2))
+            print(json.dumps(report.to_json(), indent=2))
         else:
-            _echo("".join(f"{p.code}: {log.one_line(p.message)}\n" for p in report.problems)
-                  + ("ok" if report.ok else f"{len(report.problems)} problems"))
+            for p in report.problems:
+                print(f"{p.code}: {log.one_line(p.message)}")
+            print("ok" if report.ok else f"{len(report.problems)} problems")
         return 0 if report.ok else EXIT_FAILED
 
     return _guarded(action)
@@ -85,7 +77,7 @@ def status(args: argparse.Namespace) -> int:
         machine = _machine(args)
         with locked(machine, exclusive=False):
             report = collect(machine)
-        _echo(render_status(machine, report))
+        print(render_status(machine, report))
 
     _guarded(action)
     return 0
@@ -105,12 +97,10 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
     def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
-        """--help and --version output; argparse would drop a failed write and exit 0."""
+        """--help and --version output. argparse drops a failed write and exits 0; here it
+        fails like any other output (__main__.main)."""
         if message:
-            try:
-                (file or sys.stderr).write(message)
-            except BrokenPipeError:
-                sys.exit(EXIT_FAILED)
+            (file or sys.stderr).write(message)
 
 
 def _directory(value: str) -> Path:
