@@ -63,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -528,31 +529,42 @@ def timed_baseline(bench: Bench) -> float:
     return run(["/bin/sh", str(bench.baseline)]).seconds
 
 
-# Runs the product's console entry point in this process, then reports the process's
-# own VmHWM: the peak resident set of this address space only. Children (nvidia-ctk,
-# ldconfig) have their own address spaces and do not count; the copy threads share it
-# and do. ru_maxrss is NOT used: Linux folds the pre-exec address space (the forking
-# benchmark's) into it at execve.
-_RSS_WRAPPER = """\
+# The command's entry point run inside `python -c`, with `before_exit` (Python, using
+# `out`, the file to write) run in a hook on os._exit: the command ends there, never
+# returning from main() or running atexit handlers. `setup` and `start` run before it.
+_IN_PROCESS = """\
 import os, sys
 out = sys.argv.pop(1)
 sys.argv[0] = "unbounded-nvidia-setup"
 real_exit = os._exit
+{setup}
 
 
-def exit_after_writing_hwm(code):
-    # The command ends with os._exit (no interpreter teardown): VmHWM is read just before.
-    with open("/proc/self/status") as f:
-        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
-    with open(out, "w") as f:
-        f.write(str(hwm))
+def hooked_exit(code):
+{before_exit}
     real_exit(code)
 
 
-os._exit = exit_after_writing_hwm
+os._exit = hooked_exit
+{start}
 from unbounded_nvidia_setup.__main__ import main
 main()
 """
+
+
+def run_in_process(bench: Bench, out: Path, before_exit: str, *, setup: str = "",
+                   start: str = "", poll_hwm: bool = False) -> Done:
+    """A cold run of `bench` through _IN_PROCESS; `out` must have been written."""
+    reset(bench)
+    out.unlink(missing_ok=True)
+    code = _IN_PROCESS.format(setup=setup, start=start,
+                              before_exit=textwrap.indent(textwrap.dedent(before_exit), "    "))
+    done = run([str(PYTHON), "-c", code, str(out), "--root", str(bench.root), "run"],
+               poll_hwm=poll_hwm)
+    if not out.exists():
+        raise BenchError(f"the in-process wrapper wrote nothing to {out}: does the command "
+                         "still end in os._exit? adjust _IN_PROCESS in bench/run.py")
+    return done
 
 
 @dataclass(frozen=True)
@@ -563,14 +575,17 @@ class Rss:
 
 
 def peak_rss(bench: Bench, scratch: Path) -> Rss:
-    reset(bench)
+    """VmHWM of the command's own process: the peak resident set of this address space
+    only. Children (nvidia-ctk, ldconfig) have their own and do not count; the copy
+    threads share it and do. ru_maxrss is NOT used: Linux folds the pre-exec address space
+    (the forking benchmark's) into it at execve."""
     out = scratch / "rss"
-    out.unlink(missing_ok=True)
-    done = run([str(PYTHON), "-c", _RSS_WRAPPER, str(out), "--root", str(bench.root), "run"],
-               poll_hwm=True)
-    if not out.exists():
-        raise BenchError("the RSS wrapper wrote no VmHWM: the command no longer ends in "
-                         "os._exit? adjust _RSS_WRAPPER in bench/run.py")
+    done = run_in_process(bench, out, """
+        with open("/proc/self/status") as f:
+            hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+        with open(out, "w") as f:
+            f.write(str(hwm))
+    """, poll_hwm=True)
     return Rss(int(out.read_text()), done.hwm_kib, done.seconds)
 
 
@@ -925,36 +940,14 @@ def _shown(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-# `python -m cProfile` writes its file after the program returns, which the command never
-# does (it ends in os._exit): the profile is written in a hook on os._exit instead.
-_PROFILE_WRAPPER = """\
-import cProfile, os, sys
-out = sys.argv.pop(1)
-sys.argv[0] = "unbounded-nvidia-setup"
-real_exit = os._exit
-profiler = cProfile.Profile()
-
-
-def exit_after_writing_profile(code):
-    profiler.disable()
-    profiler.dump_stats(out)
-    real_exit(code)
-
-
-os._exit = exit_after_writing_profile
-profiler.enable()
-from unbounded_nvidia_setup.__main__ import main
-main()
-"""
-
-
 def cprofile_costs(bench: Bench, scratch: Path, top: int) -> list[str]:
-    reset(bench)
+    # Not `python -m cProfile`: it writes its file after the program returns, which the
+    # command never does.
     prof = scratch / "cold.prof"
-    prof.unlink(missing_ok=True)
-    run([str(PYTHON), "-c", _PROFILE_WRAPPER, str(prof), "--root", str(bench.root), "run"])
-    if not prof.exists():
-        raise BenchError("the cProfile wrapper wrote no profile: adjust _PROFILE_WRAPPER")
+    run_in_process(bench, prof, """
+        profiler.disable()
+        profiler.dump_stats(out)
+    """, setup="import cProfile\nprofiler = cProfile.Profile()", start="profiler.enable()")
     stats = pstats.Stats(str(prof))
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = (
         stats.stats)  # type: ignore[attr-defined]
