@@ -37,6 +37,7 @@ from invariants import (
     traced,
     write_violations,
 )
+from test_realdriver import fetch, real_machine
 from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
 from unbounded_nvidia_setup.plan import own_soname
@@ -734,41 +735,9 @@ def test_lock_file_is_a_symlink(live: simgpu.SimMachine, tmp_path: Path) -> None
 # The real driver among everything hostile at once
 
 
-def fetch(arch: str) -> realdriver.RealDriver:
-    try:
-        return realdriver.fetch_real_driver(arch)
-    except realdriver.RealDriverUnavailable as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"real NVIDIA files unavailable: {e}")
-
-
-def real_hostile_machine(tmp_path: Path, drv: realdriver.RealDriver) -> simgpu.SimMachine:
-    """simgpu's hostile machine whose current driver is the real one (as in
-    test_realdriver), with the expectations rewritten for the real file set."""
-    m = simgpu.make_machine(tmp_path / "root", version=drv.version, hostile=True,
-                            stale_versions=("525.147.05",))
-    for fname in [*m.expected_libs, *m.expected_links]:
-        path = m.lib_dir / fname
-        if os.path.lexists(path) and fname not in m.hostile and "setuid" not in fname:
-            path.unlink()
-    assert m.bin_dir is not None and m.firmware_dir is not None
-    for helper in m.helpers:
-        (m.bin_dir / helper).unlink()
-    shutil.rmtree(m.firmware_dir / "nvidia" / drv.version)
-    realdriver.stage_real_driver(m.lib_dir, drv, bin_dir=m.bin_dir,
-                                 firmware_dir=m.firmware_dir, hardlink=True)
-    m.expected_libs = {realdriver._staged_name(p): None for p in drv.libraries}
-    m.expected_libs.update({n: s for n, s in m.optional_libs.items() if "setuid" in n})
-    m.expected_libs[f"libnvidia-setuid.so.{drv.version}"] = "libnvidia-setuid.so.1"
-    m.helpers = sorted(p.name for p in drv.helpers)
-    m.write_config()
-    return m
-
-
 def test_hostile_corpus_around_the_real_driver(tmp_path: Path) -> None:
     drv = fetch("amd64")
-    m = real_hostile_machine(tmp_path, drv)
+    m = real_machine(tmp_path, drv, keep_hostile=True)
     specials = [m.lib_dir / name(m, s) for s in ("fifo", "socket", "chardev")]
     tr = run_traced(m, timeout=180)
     confined(tr, m, tmp_path, never_opened=tuple(specials))
