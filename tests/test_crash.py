@@ -106,6 +106,16 @@ class Swapper:
     def other(self) -> str:
         return next(v for v in self.stages if v != self.current)
 
+    def prepare(self, scenario: str) -> str:
+        """Set the machine up for one run of `scenario`: a "first-boot" of the current
+        driver, or a host update to the other one. Returns the version the run must end
+        with."""
+        if scenario == "first-boot":
+            first_boot(self.m)
+        else:
+            self.use(self.other())
+        return self.current
+
     def learn(self) -> None:
         """Run once per version: the exact root and spec a good run makes for each."""
         for _ in range(2):
@@ -209,10 +219,7 @@ _PROFILES: dict[str, dict[str, list[int]]] = {}
 def kill_points(scenario: str, s: Swapper) -> dict[str, list[int]]:
     """Profiled once per scenario (the machines of a scenario are all alike)."""
     if scenario not in _PROFILES:
-        if scenario == "first-boot":
-            first_boot(s.m)
-        else:
-            s.use(s.other())
+        s.prepare(scenario)
         _PROFILES[scenario] = trace_counts(s.m, list(KILL_CLASSES))
     return _PROFILES[scenario]
 
@@ -296,12 +303,7 @@ def recovered(s: Swapper, version: str) -> None:
 def kill_matrix(s: Swapper, scenario: str, syscall: str, points: list[int]) -> Tally:
     tally = Tally(points=points)
     for when in points:
-        if scenario == "first-boot":
-            first_boot(s.m)
-            target = s.current
-        else:
-            target = s.other()
-            s.use(target)
+        target = s.prepare(scenario)
         if run_killed(s.m, syscall, when):
             tally.tried += 1
         else:

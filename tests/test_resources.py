@@ -29,7 +29,6 @@ from invariants import (
 from test_crash import (
     Swapper,
     assert_whole,
-    first_boot,
     kill_points,
     recovered,
     swapper,
@@ -287,12 +286,7 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
     if not points:
         pytest.skip(f"a {scenario} run makes no {syscall} call of its own")
     for when in points:
-        if scenario == "first-boot":
-            first_boot(s.m)
-            target = s.current
-        else:
-            target = s.other()
-            s.use(target)
+        target = s.prepare(scenario)
         argv = ["strace", "-f", "-b", "execve", "-qq", "-o", "/dev/null", "-e",
                 f"trace={syscall}", "-e",
                 f"inject={syscall}:error={ERRNO[syscall]}:when={when}",
