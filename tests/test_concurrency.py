@@ -58,8 +58,11 @@ def wrap_programs(m: simgpu.SimMachine, tmp_path: Path, **config: object) -> Pat
     ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
     for tool, real in (("nvidia-ctk", str(FAKE_CTK)), ("ldconfig", ldconfig)):
         wrapper = tmp_path / f"wrap-{tool}"
+        # `ldconfig -p` only reads the cache: checks, which share the lock, may all do
+        # it at once.
         wrapper.write_text(
             "#!/bin/sh\n"
+            f'[ "$1" = -p ] && exec "{real}" "$@"\n'
             f'echo "start $PPID $(date +%s.%N)" >> {log}\n'
             f'"{real}" "$@"\nrc=$?\n'
             f'echo "end $PPID $(date +%s.%N)" >> {log}\n'

@@ -11,8 +11,9 @@ from typing import Any
 from . import discover, driver, ldconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
+from .plan import Manifest
 from .spec import KIND, Problem, device_names, spec_problems
-from .verify import root_problems, root_version
+from .verify import library_sonames, root_problems, root_version
 
 
 @dataclass
@@ -50,7 +51,7 @@ def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
         return None, f"does not parse: {first}"
 
 
-def _check_root(machine: Machine, report: Report) -> str | None:
+def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str | None:
     live = machine.driver_root
     have = tree.manifest(live)
     section: dict[str, Any] = {"path": str(live), "present": have is not None}
@@ -80,6 +81,12 @@ def _check_root(machine: Machine, report: Report) -> str | None:
         report.problems.append(Problem("root-version-mismatch",
                                        f"driver root holds {', '.join(sorted(versions))} but the "
                                        f"kernel module is {report.module_version}", str(live)))
+    if want is not None:  # a run's own end state: what it just built
+        difference = tree.describe_difference(want, have)
+        if difference != "identical":
+            report.problems.append(Problem("root-out-of-date", "driver root differs from "
+                                           f"what this run built: {difference}", str(live)))
+        return version
     # What the staging mounts call for now: catches tampering and staging that changed.
     try:
         dirs = discover.staging_dirs(machine)
@@ -88,8 +95,8 @@ def _check_root(machine: Machine, report: Report) -> str | None:
                                            "cannot compare the root with it",
                                            machine.staging_parent))
         else:
-            want = driver.resolve(machine, dirs, report.module_version).manifest()
-            difference = tree.describe_difference(want, have)
+            staged = driver.resolve(machine, dirs, report.module_version).manifest()
+            difference = tree.describe_difference(staged, have)
             if difference != "identical":
                 report.problems.append(Problem("root-out-of-date",
                                                f"driver root differs from staging: {difference}",
@@ -136,7 +143,16 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
                                      kind=None, version=version)
 
 
-def collect(machine: Machine) -> Report:
+def _check_ldcache(machine: Machine, report: Report) -> None:
+    libdir = machine.driver_root / machine.libdir
+    if libdir.is_dir() and not libdir.is_symlink():
+        report.problems += ldconf.cache_problems(machine, library_sonames(libdir))
+
+
+def collect(machine: Machine, want: Manifest | None = None) -> Report:
+    """Everything `check` reports. With `want` (a run verifying its own end state), the
+    root is compared with what the run built instead of resolving staging again, and the
+    device plugin's spec, which the plugin rewrites after kubelet starts, is left out."""
     gpu = discover.has_gpu(machine)
     report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine))
     if not gpu:
@@ -145,22 +161,24 @@ def collect(machine: Machine) -> Report:
                 report.problems.append(Problem("stale-state", f"no NVIDIA GPU, but {path} "
                                                "exists", str(path)))
         return report
-    version = _check_root(machine, report)
+    version = _check_root(machine, report, want)
     report.driver_version = version
-    want = ldconf.dropin_text(machine)
+    dropin = ldconf.dropin_text(machine)
     try:
         have = machine.ldconf_dropin.read_text()
     except OSError:
         have = None
-    if have != want:
+    if have != dropin:
         report.problems.append(Problem("ldconf-missing", f"{machine.ldconf_dropin} is missing "
                                        "or does not name the driver root",
                                        str(machine.ldconf_dropin)))
     for link in ldconf.legacy_links(machine):
         report.problems.append(Problem("legacy-link", f"{link} points into the staging mounts",
                                        str(link)))
+    _check_ldcache(machine, report)
     _check_spec(machine, report, version)
-    _check_plugin_spec(machine, report, version)
+    if want is None:
+        _check_plugin_spec(machine, report, version)
     return report
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
 from . import log
 from .config import Machine
-from .log import die
-from .run import Result, Started, find_program, start
+from .log import Failure, die
+from .run import Result, Started, find_program, run, start
+from .spec import Problem
 
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
 
@@ -93,8 +95,17 @@ def remove_legacy_links(machine: Machine) -> None:
 
 
 def start_ldconfig(machine: Machine) -> Started:
+    """ldconfig as this tool runs it. `-i`: glibc's aux cache keys a file's SONAME by
+    (inode, ctime in seconds, size, device), and a new tmpfs /run hands out the same keys
+    again, so a trusted aux cache can give one library another's SONAME. `-X`: the
+    driver root's SONAME links were built from the files' own DT_SONAME and verified;
+    ldconfig only builds the cache and may not rewrite them (docs/architecture.md). The
+    aux cache it writes is read from the files, so a later plain ldconfig (dpkg's
+    libc-bin trigger) makes the same links as ours."""
     ldconfig = find_program(machine.config.ldconfig, "ldconfig")
-    argv = [ldconfig] if machine.is_live else [ldconfig, "-r", str(machine.root)]
+    argv = [ldconfig, "-i", "-X"]
+    if not machine.is_live:
+        argv += ["-r", str(machine.root)]
     return start(argv, timeout=120)
 
 
@@ -106,3 +117,55 @@ def check_ldconfig(result: Result) -> None:
 def run_ldconfig(machine: Machine) -> None:
     with start_ldconfig(machine) as started:
         check_ldconfig(started.wait())
+
+
+# `ldconfig -p`: "\tlibcuda.so.1 (libc6,x86-64) => /run/nvidia/driver/lib/.../libcuda.so.1"
+_CACHE_LINE = re.compile(r"\t(\S+) \(([^)]*)\)(?: .*)? => (/.*)")
+_CACHE_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}
+CACHE = "/etc/ld.so.cache"
+
+
+def cache_entries(machine: Machine) -> dict[str, str] | str:
+    """SONAME -> path, as the machine's dynamic linker finds it in /etc/ld.so.cache (the
+    first entry of the machine's architecture, as ld.so takes it); or why it cannot tell.
+    Read with `ldconfig -p -C`, which changes nothing."""
+    try:
+        ldconfig = find_program(machine.config.ldconfig, "ldconfig")
+        result = run([ldconfig, "-p", "-C", str(machine.at(CACHE))], timeout=30, quiet=True)
+    except Failure as e:
+        return e.message
+    if not result.ok:
+        return f"`ldconfig -p` cannot read it ({result.why()})"
+    flag = _CACHE_ARCH[machine.arch]
+    entries: dict[str, str] = {}
+    for line in result.stdout.splitlines():
+        m = _CACHE_LINE.fullmatch(line)
+        if m and flag in m.group(2).split(","):
+            entries.setdefault(m.group(1), m.group(3))
+    return entries
+
+
+def cache_problems(machine: Machine, sonames: dict[str, str | None]) -> list[Problem]:
+    """The linker cache resolves every SONAME of the driver root's library directory
+    (`sonames`: file name -> DT_SONAME) to that SONAME's link in the root, and the link
+    leads to the file that carries it."""
+    cache = machine.at(CACHE)
+    entries = cache_entries(machine)
+    if isinstance(entries, str):
+        return [Problem("ldcache-stale", f"{cache}: {entries}", str(cache))]
+    libdir = f"{machine.config.driver_root.rstrip('/')}/{machine.libdir}"
+    problems = []
+    for name, soname in sorted(sonames.items()):
+        if not soname:
+            continue
+        want = f"{libdir}/{soname}"
+        have = entries.get(soname)
+        if have != want:
+            where = f"resolves {soname} to {have}" if have else f"does not list {soname}"
+            problems.append(Problem("ldcache-stale", f"{cache} {where}, not {want}",
+                                    str(cache)))
+        elif os.path.realpath(machine.at(want)) != os.path.realpath(
+                machine.at(f"{libdir}/{name}")):
+            problems.append(Problem("ldcache-stale", f"{cache} resolves {soname} to "
+                                    f"{want}, which does not lead to {name}", str(cache)))
+    return problems

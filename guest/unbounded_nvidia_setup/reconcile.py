@@ -120,39 +120,85 @@ def _reconcile(machine: Machine, force: bool) -> None:
         find_program(machine.config.ldconfig, "ldconfig")
         plan, want, new = _resolve_and_build(machine, force)
         live = machine.driver_root
-        swapped = new is not None
-        old = None
+        undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         if new is not None:
             generator.discard_early()
-            old = tree.swap(new, live)
+            undo.swapped, undo.old = True, tree.swap(new, live)
 
         # The spec is made for the new root before the old one is deleted: when
         # nvidia-ctk fails, the previous root and spec stay live together. ldconfig,
-        # which only reads the root, runs meanwhile.
+        # which leaves the root's links alone (-X), runs meanwhile.
         log.status("Generating the CDI spec")
         helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
-        new_dropin = False
         try:
-            new_dropin = ldconf.install_dropin(machine)
+            undo.new_dropin = ldconf.install_dropin(machine)
             ldconf.remove_legacy_links(machine)
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
-            cdi.install(machine, spec)
+            undo.spec_written = cdi.install(machine, spec)
+            cdi.remove_shadow(machine)
+            _verify_end_state(machine, want)
         except BaseException:
-            if swapped:
-                tree.unswap(live, old)
-                if new_dropin and old is None:
-                    machine.ldconf_dropin.unlink()
-                _best_effort_ldconfig(machine)
+            undo.rollback()
             raise
-    cdi.remove_shadow(machine)
-    if old is not None:
-        tree.remove_tree(old)
-    if swapped:
+    if undo.old is not None:
+        tree.remove_tree(undo.old)
+    if undo.swapped:
         log.info(f"driver root {live} now holds driver {plan.version}")
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _verify_end_state(machine: Machine, want: Manifest) -> None:
+    """Ready means `check` passes now: the live root, drop-in, linker cache and installed
+    spec are checked with check's own invariants, after everything this run started
+    (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
+    from .check import collect
+
+    log.status("Verifying the live driver root, linker cache and CDI spec")
+    problems = collect(machine, want).problems
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        die(f"the live state is wrong after setup: [{first.code}] {first.message}{more}",
+            hint="the previous driver root and spec were put back; systemd retries; "
+                 "`unbounded-nvidia-setup check` lists every problem")
+
+
+class Undo:
+    """What a run changed in the live state, and how to put it back when it fails."""
+
+    def __init__(self, machine: Machine, previous_spec: bytes | None) -> None:
+        self.machine = machine
+        self.previous_spec = previous_spec
+        self.swapped = False
+        self.old: Path | None = None  # the previous generation, while it is kept
+        self.new_dropin = False
+        self.spec_written = False
+
+    def rollback(self) -> None:
+        machine = self.machine
+        if self.spec_written:
+            try:
+                if self.previous_spec is None:
+                    machine.cdi_spec.unlink(missing_ok=True)
+                else:
+                    ldconf.write_atomically(machine.cdi_spec, self.previous_spec)
+            except OSError as e:
+                log.warn(f"after failing: cannot put back {machine.cdi_spec}: {e.strerror}")
+        if self.swapped:
+            tree.unswap(machine.driver_root, self.old)
+            if self.new_dropin and self.old is None:
+                machine.ldconf_dropin.unlink(missing_ok=True)
+            _best_effort_ldconfig(machine)
 
 
 def _resolve_and_build(machine: Machine, force: bool) -> tuple[Plan, Manifest, Path | None]:

@@ -52,8 +52,8 @@ class Started:
     """A program started in the background; wait() collects it. Used as a context
     manager, a program not waited for (the caller failed meanwhile) is killed."""
 
-    def __init__(self, argv: list[str], timeout: float) -> None:
-        log.info(f"running: {shlex.join(argv)}")
+    def __init__(self, argv: list[str], timeout: float, quiet: bool = False) -> None:
+        (log.debug if quiet else log.info)(f"running: {shlex.join(argv)}")
         self.argv = argv
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if timeout else None
@@ -105,7 +105,8 @@ def start(argv: list[str], *, timeout: float) -> Started:
     return Started(argv, timeout)
 
 
-def run(argv: list[str], *, timeout: float) -> Result:
-    """Run `argv` to completion; kill its whole process group when `timeout` passes."""
-    with start(argv, timeout=timeout) as started:
+def run(argv: list[str], *, timeout: float, quiet: bool = False) -> Result:
+    """Run `argv` to completion; kill its whole process group when `timeout` passes.
+    `quiet`: a query that changes nothing, logged at debug level only (`check` output)."""
+    with Started(argv, timeout, quiet) as started:
         return started.wait()

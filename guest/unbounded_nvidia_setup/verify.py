@@ -7,8 +7,9 @@ import re
 import stat
 from pathlib import Path
 
-from .discover import HELPERS, VDPAU, is_library_name
-from .plan import EXECUTABLE_MODE, LIBRARY_MODE, REQUIRED, name_version
+from .discover import HELPERS, VDPAU, is_library_name, open_regular
+from .elf import CorruptElf, read_elf
+from .plan import ACTIVE_LINKS, EXECUTABLE_MODE, LIBRARY_MODE, LINKER_NAMES, REQUIRED, name_version
 from .spec import Problem
 
 
@@ -19,6 +20,58 @@ def root_version(root: Path, libdir: str) -> set[str]:
     except OSError:
         return set()
     return {v for n in names if n.startswith("libcuda.so.") and (v := name_version(n))}
+
+
+def library_sonames(directory: Path) -> dict[str, str | None]:
+    """DT_SONAME of every regular file in `directory` (None: no SONAME, not ELF, or
+    damaged). Read from the files themselves on every call: a SONAME link is right only
+    if its target really carries that SONAME, whatever any cache says."""
+    result: dict[str, str | None] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return result
+    for name in names:
+        try:
+            fd = open_regular(directory / name)
+        except (OSError, ValueError):
+            continue
+        with os.fdopen(fd, "rb", buffering=4096) as f:
+            try:
+                info = read_elf(f)
+            except CorruptElf:
+                info = None
+        result[name] = info.soname if info else None
+    return result
+
+
+def link_problems(directory: Path) -> list[Problem]:
+    """Every SONAME link in a library directory names a file whose DT_SONAME is that
+    link's name (a linker name such as libcuda.so: the SONAME it stands for), and every
+    library whose SONAME differs from its file name has its SONAME link. This is what
+    ldconfig rewrote wrongly from a stale aux cache (docs/architecture.md)."""
+    problems: list[Problem] = []
+    sonames = library_sonames(directory)
+    for name in sorted(os.listdir(directory)) if sonames else []:
+        path = directory / name
+        if not path.is_symlink() or name in ACTIVE_LINKS:
+            continue  # libcuda.so.1 and libnvidia-ml.so.1: the required-library check
+        target = os.path.realpath(path)
+        if os.path.dirname(target) != os.path.realpath(directory):
+            continue  # escaping or dangling: reported as such
+        want = LINKER_NAMES.get(name, name)
+        have = sonames.get(os.path.basename(target))
+        if have != want:
+            problems.append(Problem("root-wrong-link",
+                                    f"{path} points to {os.path.basename(target)}, whose "
+                                    f"DT_SONAME is {have or 'missing'}, not {want}", str(path)))
+    for name, soname in sorted(sonames.items()):
+        if soname and soname != name and soname not in ACTIVE_LINKS and not os.path.lexists(
+                directory / soname):
+            problems.append(Problem("root-missing-link",
+                                    f"{directory / soname} is missing: nothing loads "
+                                    f"{name} by its SONAME", str(directory / soname)))
+    return problems
 
 
 def _allowed(rel: str, libdir: str, is_dir: bool, extra: tuple[str, ...]) -> bool:
@@ -78,6 +131,9 @@ def root_problems(root: Path, libdir: str, version: str | None,
             allowed_modes = (EXECUTABLE_MODE,) if is_dir else (LIBRARY_MODE, EXECUTABLE_MODE)
             if mode not in allowed_modes:
                 problems.append(Problem("root-bad-mode", f"{path} has mode {mode:04o}", path))
+    for libraries in (root / libdir, root / libdir / VDPAU):
+        if libraries.is_dir() and not libraries.is_symlink():
+            problems += link_problems(libraries)
     versions = {version} if version else root_version(root, libdir)
     if len(versions) > 1:
         problems.append(Problem("root-mixed-versions",
