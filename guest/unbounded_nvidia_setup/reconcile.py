@@ -136,7 +136,10 @@ def _reconcile(machine: Machine, force: bool) -> None:
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
-            undo.spec_written = cdi.install(machine, spec)
+            # Set first: an install that fails after its rename (fsync of /etc/cdi) has
+            # already replaced the spec.
+            undo.spec_written = True
+            cdi.install(machine, spec)
             cdi.remove_shadow(machine)
             _verify_end_state(machine, want)
         except BaseException:
