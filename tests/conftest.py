@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,6 +16,8 @@ import pytest
 TESTS = Path(__file__).parent
 FAKE_CTK = TESTS / "fakes" / "nvidia-ctk"
 sys.path.insert(0, str(TESTS))
+
+import realdriver  # noqa: E402  (tests/ is on the path from here on)
 
 
 @dataclass
@@ -64,3 +68,26 @@ def mounts() -> Iterator[list[Path]]:
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown)")
+
+
+@pytest.fixture
+def aarch64_ldconfig(tmp_path: Path) -> str:
+    """The config key `ldconfig` for a simulated aarch64 machine: Debian's real arm64
+    ldconfig run by qemu user emulation, through a wrapper script (the product runs the
+    key as one program). This machine's own ldconfig cannot stand in: it says "is for
+    unknown machine 183" to every aarch64 library and leaves it out of the cache. Skips
+    when qemu or the package cannot be had; fails instead when $CI is set."""
+    qemu = shutil.which("qemu-aarch64-static")
+    try:
+        if qemu is None:
+            raise realdriver.RealDriverUnavailable(
+                "qemu-aarch64-static not found (tests/install-deps installs qemu-user-static)")
+        ldconfig = realdriver.fetch_ldconfig("arm64")
+    except realdriver.RealDriverUnavailable as e:
+        if os.environ.get("CI"):
+            raise  # CI must check the aarch64 linker cache for real
+        pytest.skip(f"aarch64 ldconfig unavailable: {e}")
+    wrapper = tmp_path / "ldconfig-aarch64"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(qemu)} {shlex.quote(str(ldconfig))} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)

@@ -14,6 +14,9 @@ the relative SONAME links the host's ldconfig makes), which is what the machine 
 ``usr/lib/<multiarch>/nvidia/current/`` behind /etc/alternatives links; that layout is
 never what a staging dir looks like, so it is flattened.
 
+:func:`fetch_ldconfig` fetches Debian's own ldconfig for an architecture (libc-bin, from
+main) the same way, for simulated machines of another CPU (run under qemu user emulation).
+
 Command line: ``python3 tests/realdriver.py [--arch amd64|arm64] [--stage DIR]``.
 """
 
@@ -108,9 +111,9 @@ class RealDriver:
         raise KeyError(name)
 
 
-def cache_dir(arch: str) -> Path:
+def cache_dir(arch: str, kind: str = "debian-nvidia") -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "unbounded-nvidia-setup-tests" / "debian-nvidia" / arch
+    return Path(base) / "unbounded-nvidia-setup-tests" / kind / arch
 
 
 @contextlib.contextmanager
@@ -127,7 +130,8 @@ def _locked(path: Path) -> Iterator[None]:
 class _Apt:
     """apt-get/apt-cache with a private configuration rooted at ``base``."""
 
-    def __init__(self, base: Path, arch: str) -> None:
+    def __init__(self, base: Path, arch: str,
+                 components: str = "non-free non-free-firmware") -> None:
         self.base = base
         self.arch = arch
         for sub in (
@@ -140,7 +144,6 @@ class _Apt:
             (base / sub).mkdir(parents=True, exist_ok=True)
         (base / "status").touch()
         signed = f" [signed-by={KEYRING}]" if KEYRING.exists() else ""
-        components = "non-free non-free-firmware"
         (base / "sources.list").write_text(
             f"deb{signed} {DEBIAN_MIRROR} {SUITE} {components}\n"
             f"deb{signed} {DEBIAN_SECURITY_MIRROR} {SUITE}-security {components}\n"
@@ -414,6 +417,75 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
     )
     _write_manifest(base, drv, packages)
     return drv
+
+
+# ELF e_machine of each Debian architecture's own programs.
+_ELF_MACHINE = {"amd64": 62, "arm64": 183}
+
+
+def _runs_on(path: Path, arch: str) -> bool:
+    """`path` is an executable ELF file for the CPU of Debian architecture `arch`."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return False
+    return (
+        head[:4] == b"\x7fELF"
+        and int.from_bytes(head[18:20], "little") == _ELF_MACHINE[arch]
+        and os.access(path, os.X_OK)
+    )
+
+
+def fetch_ldconfig(arch: str = "arm64") -> Path:
+    """Debian bookworm's own ldconfig for ``arch``, from ``libc-bin`` (component main).
+
+    An ldconfig indexes only libraries of its own architecture (x86_64's says "is for
+    unknown machine 183" to every aarch64 file and leaves it out of the cache), so a
+    simulated aarch64 machine needs aarch64's. Debian's ldconfig is static-pie: no
+    loader or libc of its architecture is needed, ``qemu-aarch64-static`` runs it as it
+    is. Cached in ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-libc-bin/<arch>/``
+    like the driver (later calls are offline); raises RealDriverUnavailable when it
+    cannot be had."""
+    if arch not in _ELF_MACHINE:
+        raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(_ELF_MACHINE)})")
+    base = cache_dir(arch, "debian-libc-bin")
+    binary = base / "ldconfig"
+    with _locked(base / ".lock"):
+        if not _runs_on(binary, arch):
+            _download_ldconfig(base, arch, binary)
+    return binary
+
+
+def _download_ldconfig(base: Path, arch: str, binary: Path) -> None:
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
+    apt = _Apt(base / "apt", arch, components="main")
+    apt.run("apt-get", "update")
+    debs = base / "apt" / "debs"
+    for old in debs.glob("*.deb"):
+        old.unlink()
+    apt.run("apt-get", "download", "libc-bin", cwd=debs)
+    deb_files = sorted(debs.glob("libc-bin_*.deb"))
+    if len(deb_files) != 1:
+        raise RealDriverUnavailable(f"apt-get download libc-bin gave {len(deb_files)} files")
+    tmp_tree = Path(tempfile.mkdtemp(prefix=".tree-", dir=base))
+    try:
+        subprocess.run(
+            ["dpkg-deb", "-x", str(deb_files[0]), str(tmp_tree)], check=True, capture_output=True
+        )
+        # bookworm ships sbin/ldconfig; later releases moved it to usr/sbin.
+        found = [p for p in (tmp_tree / "sbin/ldconfig", tmp_tree / "usr/sbin/ldconfig")
+                 if _runs_on(p, arch)]
+        if not found:
+            raise RealDriverUnavailable(f"{deb_files[0].name} has no {arch} ldconfig")
+        os.replace(found[0], binary)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise RealDriverUnavailable(f"unpacking {deb_files[0].name} failed: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp_tree, ignore_errors=True)
+        deb_files[0].unlink()
 
 
 def _copy(src: Path, dest: Path, hardlink: bool, mode: int) -> None:

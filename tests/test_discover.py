@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,10 @@ def test_special_files_named_like_libraries_are_never_opened_for_reading(
 
 
 @needs_root
-def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli) -> None:
+def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli,
+                                                aarch64_ldconfig: str) -> None:
+    """With arch forced to aarch64, aarch64 libraries make lib/aarch64-linux-gnu and the
+    real arm64 ldconfig (under qemu) puts every SONAME in the cache as (libc6,AArch64)."""
     m = simgpu.make_machine(tmp_path / "root")
     for lib in m.staging[0].glob("lib*.so.*"):
         if not lib.is_symlink():
@@ -142,7 +146,7 @@ def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli) -> Non
             if info is not None and info.machine == "x86_64":
                 simgpu.aarch64_so(lib.parent / lib.name, info.soname or lib.name)
     (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
-    m.write_config(arch="aarch64", ldconfig="/bin/true")
+    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
     out = cli(m.root, "run")
     # Helpers stay x86_64 here, so they are left out; libraries are aarch64.
     assert out.code == 0, out.stderr
@@ -151,3 +155,10 @@ def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli) -> Non
     assert not (root_of(m) / "lib" / MA).exists()
     assert "aarch64-linux-gnu" in (m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
                                    ).read_text()
+    report = check_json(cli, m)
+    assert report["ok"] is True, report["problems"]
+    # What the machine's loader reads, independent of `check`'s own parsing.
+    cache = subprocess.run([aarch64_ldconfig, "-p", "-C", str(m.root / "etc/ld.so.cache")],
+                           capture_output=True, text=True, check=True).stdout
+    assert ("\tlibcuda.so.1 (libc6,AArch64) => /run/nvidia/driver/lib/aarch64-linux-gnu/"
+            "libcuda.so.1") in cache.splitlines()

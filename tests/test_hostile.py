@@ -747,10 +747,12 @@ def test_hostile_corpus_around_the_real_driver(tmp_path: Path) -> None:
         assert not os.path.lexists(m.driver_lib_dir / hostile)
 
 
-def test_real_arm64_driver_next_to_the_real_amd64_driver(tmp_path: Path) -> None:
+def test_real_arm64_driver_next_to_the_real_amd64_driver(tmp_path: Path,
+                                                        aarch64_ldconfig: str) -> None:
     """Both real drivers staged side by side (same names, two staging dirs): an x86_64
     machine takes every amd64 file and skips every arm64 one as foreign; with arch forced
-    to aarch64 it is the other way round, under lib/aarch64-linux-gnu."""
+    to aarch64 it is the other way round, under lib/aarch64-linux-gnu, its linker cache
+    made by the real arm64 ldconfig under qemu (traced too: it stays confined)."""
     amd, arm = fetch("amd64"), fetch("arm64")
     assert amd.version == arm.version
     m = simgpu.make_machine(tmp_path / "root", version=amd.version, stale_versions=(),
@@ -762,7 +764,8 @@ def test_real_arm64_driver_next_to_the_real_amd64_driver(tmp_path: Path) -> None
     realdriver.stage_real_driver(host / "3", arm, bin_dir=host / "4", hardlink=True)
     (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
     for arch, drv, config in (("x86_64", amd, {}),
-                              ("aarch64", arm, {"arch": "aarch64", "ldconfig": "/bin/true"})):
+                              ("aarch64", arm, {"arch": "aarch64",
+                                               "ldconfig": aarch64_ldconfig})):
         m.write_config(**config)
         tr = run_traced(m, timeout=180)
         confined(tr, m, tmp_path)

@@ -100,19 +100,22 @@ def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str) -> None:
     assert os.stat(root).st_ino == ino
 
 
-def test_real_aarch64_driver_on_an_aarch64_machine(tmp_path: Path, cli: Cli) -> None:
-    """GB300 hosts are arm64: with arch forced, the real arm64 files make the root."""
+def test_real_aarch64_driver_on_an_aarch64_machine(tmp_path: Path, cli: Cli,
+                                                   aarch64_ldconfig: str) -> None:
+    """GB300 hosts are arm64: with arch forced, the real arm64 files make the root, and
+    the real arm64 ldconfig (under qemu) resolves every SONAME of it: `check` is clean."""
     drv = fetch("arm64")
     m = real_machine(tmp_path, drv)
     (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
-    # ldconfig of this x86_64 machine cannot index aarch64 libraries in a cache for aarch64.
-    m.write_config(arch="aarch64", ldconfig="/bin/true")
+    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr
     lib = root_of(m) / "lib/aarch64-linux-gnu"
     assert (lib / f"libcuda.so.{drv.version}").is_file()
     assert (root_of(m) / "usr/bin/nvidia-smi").is_file()
     assert not (root_of(m) / "lib/x86_64-linux-gnu").exists()
+    report = check_json(cli, m)
+    assert report["ok"] is True, report["problems"]
     # The same arm64 staging on an x86_64 machine: every arm64 file is foreign.
     m.write_config()
     out = cli(m.root, "run")
