@@ -28,7 +28,6 @@ the next run). So:
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import shutil
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from check_schema import check_report
 from invariants import (
     run_cli,
     secure_after,  # noqa: F401  (fixture)
@@ -111,7 +111,7 @@ def test_eight_concurrent_runs(tmp_path: Path) -> None:
     assert len(built) == 1
     assert sum("not rebuilt" in out.stderr for out in outs) == 7
     assert assert_serialized(log) == 8
-    assert json.loads(run_cli(m.root, "check", "--json").stdout)["ok"] is True
+    assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
 
 
 def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
     m = simgpu.make_machine(tmp_path / "root")
     log = wrap_programs(m, tmp_path)
     assert run_cli(m.root, "run").code == 0
-    full = json.loads(run_cli(m.root, "check", "--json").stdout)["driver_root"]["libraries"]
+    full = check_report(run_cli(m.root, "check", "--json"))["driver_root"]["libraries"]
     commands = ["run"] * 6 + ["check"] * 4 + ["clean"] * 3
     rng = random.Random(4)
     seen = {"whole": 0, "absent": 0, "busy": 0}
@@ -134,7 +134,7 @@ def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
             if command != "check":
                 assert out.code == 0, (command, out.stderr)
                 continue
-            report = json.loads(out.stdout)
+            report = check_report(out)
             codes = {p["code"] for p in report["problems"]}
             if report["setup_running"]:
                 # It read without the lock, mid-run: anything but "broken" may be seen.
@@ -150,7 +150,7 @@ def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
     print(f"CONCURRENCY race-check-clean: checks saw whole={seen['whole']} "
           f"absent={seen['absent']}, torn=0; during a run (not broken) {seen['busy']}")
     assert run_cli(m.root, "run").code == 0
-    assert json.loads(run_cli(m.root, "check", "--json").stdout)["ok"] is True
+    assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
 
 
 @dataclass
@@ -198,7 +198,7 @@ def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> Non
     stale: dict[str, set[str]] = {}
     for _ in range(2):
         s.use(s.other())
-        report = json.loads(run_cli(s.m.root, "check", "--json").stdout)
+        report = check_report(run_cli(s.m.root, "check", "--json"))
         stale[s.current] = {p["code"] for p in report["problems"]}
         assert stale[s.current] and not stale[s.current] & ABSENT
         assert run_cli(s.m.root, "run").code == 0
@@ -222,7 +222,7 @@ def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> Non
                     assert out.code == 0, out.stderr
                     swaps += "now holds driver" in out.stderr
                     continue
-                report = json.loads(out.stdout)
+                report = check_report(out)
                 codes = {p["code"] for p in report["problems"]}
                 if report["setup_running"]:
                     assert report["verdict"] in ("ready", "not-ready-yet"), report

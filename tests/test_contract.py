@@ -1,11 +1,14 @@
 """The host agent's interface (issue 11): `check`'s verdict, derived from the live state
 and the lock, on simulated machines under --root (where systemd is never asked; the boot
-suite shows the unit's part)."""
+suite shows the unit's part); the schema of `check --json` and the one list of problem
+codes that the product, the schema and docs/problems.md must agree on."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import check_schema
 from invariants import secure_after  # noqa: F401  (fixture)
 
 import simgpu
@@ -153,3 +157,82 @@ def test_a_shared_holder_is_not_a_run(live: simgpu.SimMachine, cli: Cli) -> None
     with open(live.root / LOCK) as f:
         fcntl.flock(f, fcntl.LOCK_SH)
         assert check_json(cli, live)["setup_running"] is False
+
+
+# -- the schema ------------------------------------------------------------------------
+
+
+def test_schema_is_draft_2020_12_and_describes_every_key() -> None:
+    from jsonschema import Draft202012Validator
+
+    schema = check_schema.load_schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    Draft202012Validator.check_schema(schema)
+
+    def described(node: object, where: str) -> None:
+        if isinstance(node, dict) and "properties" in node:
+            for key, sub in node["properties"].items():
+                assert sub.get("description"), f"{where}/{key} has no description"
+                assert "type" in sub or "const" in sub or "enum" in sub, f"{where}/{key}"
+                described(sub, f"{where}/{key}")
+                described(sub.get("items"), f"{where}/{key}[]")
+
+    described(schema, "")
+    assert schema["properties"]["verdict"]["enum"] == list(check_schema.VERDICTS)
+
+
+def test_codes_agree_between_product_schema_and_docs() -> None:
+    """The rule for "codes in the code" is in tests/check_schema.py's docstring."""
+    source, unreadable = check_schema.codes_in_source()
+    assert unreadable == [], f"Problem(...) codes the scan cannot read: {unreadable}"
+    schema = check_schema.codes_in_schema()
+    docs = check_schema.codes_in_docs()
+    assert len(source) >= 38  # the scan found the codes at all (38 in schema version 1)
+    assert source == schema, (f"only in the product: {sorted(source - schema)}; only in the "
+                              f"schema: {sorted(schema - source)}")
+    assert source == docs, (f"only in the product: {sorted(source - docs)}; only in "
+                            f"docs/problems.md: {sorted(docs - source)}")
+
+
+def test_the_scan_reads_every_way_a_code_is_written(tmp_path: Path) -> None:
+    """The scan's rule on a small module: literals, names bound to literals, *_CODES tables;
+    an f-string code is reported, not missed."""
+    (tmp_path / "mod.py").write_text(
+        'T_CODES = {"a": "t-a"}\n'
+        "def f(codes, x):\n"
+        '    c = "n-one" if x else "n-two"\n'
+        '    return [Problem("lit", ""), Problem(c, ""), Problem(codes["a"], ""),\n'
+        '            Problem(f"{x}-made", "")]\n')
+    codes, unreadable = check_schema.codes_in_source(tmp_path)
+    assert codes == {"t-a", "n-one", "n-two", "lit"}
+    assert unreadable == ["mod.py:5"]
+
+
+def test_strict_validation_rejects_an_undescribed_key(live: simgpu.SimMachine,
+                                                      cli: Cli) -> None:
+    report = check_json(cli, live)
+    check_schema.validate(report)
+    for bad in ({**report, "extra": 1}, {**report, "verdict": "fine"},
+                {**report, "problems": [{"code": "no-such-code", "message": "", "path": None}]},
+                {k: v for k, v in report.items() if k != "schema_version"}):
+        with pytest.raises(AssertionError, match="does not match the schema"):
+            check_schema.validate(bad)
+    # The shipped schema itself lets a consumer of version 1 read a later 1.x output.
+    from jsonschema import Draft202012Validator
+
+    assert Draft202012Validator(check_schema.load_schema()).is_valid({**report, "extra": 1})
+
+
+def test_every_check_json_in_the_suite_goes_through_the_schema() -> None:
+    """One place parses `check --json` (tests/check_schema.py): a test file that runs it
+    must use that helper (or test_run.check_json / boot harness.check_json, built on it)."""
+    tests = Path(__file__).parent
+    helpers = ("check_report(", "parse_check(", "check_json(")
+    for path in sorted(tests.rglob("*.py")):
+        text = path.read_text()
+        text = text.replace(ast.get_docstring(ast.parse(text), clean=False) or "", "")
+        if path.name == "check_schema.py" or '"check", "--json"' not in text:
+            continue
+        assert any(h in text for h in helpers), f"{path} parses check --json by itself"
+        by_itself = re.search(r'json\.loads\([^\n]*"check", "--json"', text)
+        assert by_itself is None, f"{path}: {by_itself and by_itself.group()}"

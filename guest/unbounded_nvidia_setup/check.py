@@ -12,7 +12,7 @@ from . import discover, driver, ldconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
 from .plan import Manifest
-from .spec import KIND, Problem, device_names, spec_problems
+from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, Problem, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
 SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change within one
@@ -172,10 +172,11 @@ def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
     if why:
         report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
         return
-    section.update(kind=doc.get("kind") if isinstance(doc, dict) else None,
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    section.update(kind=kind if isinstance(kind, str) else None,  # a string or null: schema
                    devices=device_names(doc))
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
-    report.problems += spec_problems(doc, machine, code="spec", where=str(path), kind=KIND,
+    report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
@@ -194,7 +195,7 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
         report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
         return
     section["devices"] = device_names(doc)
-    report.problems += spec_problems(doc, machine, code="plugin-spec", where=str(path),
+    report.problems += spec_problems(doc, machine, codes=PLUGIN_SPEC_CODES, where=str(path),
                                      kind=None, version=version)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import rootfs
+from check_schema import parse_check
 
 import simgpu
 from .nspawn import HOST_PATH, Bind, Machine
@@ -257,11 +258,10 @@ def wait_node_up(m: Machine, timeout: float = 60.0) -> dict[str, dict[str, str]]
 
 
 def check_json(m: Machine) -> dict[str, object]:
+    """`check --json` in the guest, validated against the schema (tests/check_schema.py)."""
     res = m.exec("unbounded-nvidia-setup", "check", "--json", check=False)
     assert "Traceback" not in res.stderr, res.stderr
-    report: dict[str, object] = json.loads(res.stdout)
-    assert res.returncode == (0 if report.get("ok") else 1), (res.returncode, report)
-    return report
+    return parse_check(res.stdout, res.returncode)
 
 
 # -- timing records --------------------------------------------------------------------------
