@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import check_schema
+import hostcmd
 from invariants import secure_after  # noqa: F401  (fixture)
 
 import simgpu
@@ -236,3 +237,28 @@ def test_every_check_json_in_the_suite_goes_through_the_schema() -> None:
         assert any(h in text for h in helpers), f"{path} parses check --json by itself"
         by_itself = re.search(r'json\.loads\([^\n]*"check", "--json"', text)
         assert by_itself is None, f"{path}: {by_itself and by_itself.group()}"
+
+
+# -- docs/host-integration.md ------------------------------------------------------------
+
+
+def test_host_commands_in_the_doc_are_the_ones_the_boot_suite_runs() -> None:
+    """tests/boot runs the doc's commands (tests/hostcmd.py); here, without booting: the
+    doc holds exactly the commands the suite uses, each in a shape the suite can run."""
+    found = hostcmd.commands()
+    assert set(found) == hostcmd.USED, (f"only in the doc: {sorted(set(found) - hostcmd.USED)}"
+                                        f"; only in the suite: "
+                                        f"{sorted(hostcmd.USED - set(found))}")
+    assert hostcmd.in_guest(found["validate"]) == [
+        "/usr/bin/unbounded-nvidia-setup", "check", "--json"]
+    assert hostcmd.in_guest(found["is-active"]) == [
+        "systemctl", "is-active", "unbounded-nvidia-setup"]
+    assert hostcmd.in_guest(found["restart"]) == [
+        "systemctl", "restart", "unbounded-nvidia-setup"]
+    assert hostcmd.argv("install", ROOTFS="/r", DEB="/p.deb") == [
+        "dpkg", "--root=/r", "-i", "/p.deb"]
+    # The boot suite itself reaches these only through hostcmd (no second copy there).
+    boot = "\n".join(p.read_text() for p in (Path(__file__).parent / "boot").glob("*.py"))
+    for name in ("is-active", "restart", "validate", "install"):
+        assert f'"{name}"' in boot, f"tests/boot does not run host-command {name}"
+    assert '"is-active", SETUP' not in boot and '"restart", SETUP' not in boot
