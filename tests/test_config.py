@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from check_schema import parse_check
 from unbounded_nvidia_setup.config import Config, load_config, parse_config
 from unbounded_nvidia_setup.log import EXIT_USAGE, Failure
 
@@ -132,4 +132,4 @@ def test_output_is_complete_through_a_pipe(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
                            str(tmp_path), "check", "--json"], capture_output=True, text=True,
                           timeout=60, check=False)
-    assert proc.returncode == 0 and json.loads(proc.stdout)["gpu"] is False
+    assert parse_check(proc.stdout, proc.returncode)["verdict"] == "no-gpu"

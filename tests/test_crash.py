@@ -21,7 +21,6 @@ new generation and spec, and removes every leftover. Each test prints its counts
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from check_schema import check_report, parse_check
 from invariants import (
     parse_calls,
     product_argv,
@@ -342,7 +342,7 @@ def test_sigkill_at_every_mutating_step_leaves_whole_state(
     show(scenario, syscall, tally)
     assert tally.held == len(points)
     assert tally.tried >= 1, "no kill point was reached"
-    assert json.loads(run_cli(s.m.root, "check", "--json").stdout)["ok"] is True
+    assert check_report(run_cli(s.m.root, "check", "--json"))["ok"] is True
 
 
 REAL_CLASSES = ("mkdir", "openat", "copy_file_range", "symlink", "renameat2", "rename",
@@ -399,6 +399,7 @@ def test_concurrent_runs_and_checks_serialize(tmp_path: Path, cli: Cli) -> None:
     def one(i: int) -> tuple[str, int, str]:
         if i % 3 == 2:
             out = cli(m.root, "check", "--json")
+            check_report(out)
             return "check", out.code, out.stdout
         out = cli(m.root, "run")
         return "run", out.code, out.stderr
@@ -409,11 +410,11 @@ def test_concurrent_runs_and_checks_serialize(tmp_path: Path, cli: Cli) -> None:
         if kind == "run":
             assert code == 0, text
         else:
-            report = json.loads(text)
+            report = parse_check(text, code)
             codes = {p["code"] for p in report["problems"]}
             # Before the first run: nothing yet. After: whole. Never anything torn.
             assert codes <= {"root-missing", "spec-missing", "ldconf-missing"}, codes
-    assert json.loads(cli(m.root, "check", "--json").stdout)["ok"] is True
+    assert check_report(cli(m.root, "check", "--json"))["ok"] is True
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ and, through the `secure_after` fixture, the security invariants of the machine.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from check_schema import check_report
 from invariants import (
     Traced,
     parse_calls,
@@ -94,7 +94,7 @@ def correct_root(m: simgpu.SimMachine, *, extra: tuple[str, ...] = (),
     assert files == (set(m.expected_libs) - set(missing)) | set(extra)
     bins = {p.name for p in (m.driver_root / "usr/bin").iterdir()}
     assert bins == set(m.helpers if helpers is None else helpers)
-    report = json.loads(run_cli(m.root, "check", "--json").stdout)
+    report = check_report(run_cli(m.root, "check", "--json"))
     assert report["ok"] is True, report["problems"]
 
 
@@ -781,7 +781,7 @@ def test_real_arm64_driver_next_to_the_real_amd64_driver(tmp_path: Path,
                 with open(path, "rb") as f:
                     info = read_elf(f)
                 assert info is not None and info.machine == arch and info.bits == 64, path
-        report = json.loads(run_cli(m.root, "check", "--json").stdout)
+        report = check_report(run_cli(m.root, "check", "--json"))
         assert report["ok"] is True, report["problems"]
 
 

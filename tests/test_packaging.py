@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+import check_schema
+
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "units"
 PACKAGE = "unbounded-nvidia-setup"
@@ -37,6 +39,7 @@ DROPIN = "10-unbounded-nvidia-setup.conf"
 DROPIN_UNITS = ("containerd.service", "kubelet.service", "nvidia-cdi-refresh.service",
                 "nvidia-cdi-refresh.path")
 UNIT_DIR = "usr/lib/systemd/system"
+SCHEMA = f"usr/share/{PACKAGE}/check.schema.json"  # issue 11: the `check --json` contract
 WANTS_LINK = f"etc/systemd/system/multi-user.target.wants/{SETUP_UNIT}"
 CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": CLEAN_PATH, "LC_ALL": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
@@ -319,6 +322,7 @@ def test_deb_contents(deb: Path) -> None:
         "/usr/share/doc/unbounded-nvidia-setup/README.md",
         "/usr/share/doc/unbounded-nvidia-setup/packaging.md",
         "/usr/share/man/man8/unbounded-nvidia-setup.8.gz",
+        f"/{SCHEMA}",
     }
     assert expected <= files, sorted(expected - files)
     # Nothing outside /usr: no conffiles to merge, no /lib (merged /usr), no /etc.
@@ -330,6 +334,7 @@ def test_deb_contents(deb: Path) -> None:
         for rel in [SETUP_UNIT, *(f"{n}.d/{DROPIN}" for n in DROPIN_UNITS)]:
             shipped = (extracted / UNIT_DIR / rel).read_bytes()
             assert shipped == (UNITS / rel).read_bytes(), f"{rel} differs from units/"
+        assert (extracted / SCHEMA).read_bytes() == check_schema.SCHEMA_FILE.read_bytes()
         script = (extracted / "usr/bin/unbounded-nvidia-setup").read_text()
         assert script.startswith("#!/usr/bin/python3\n"), script.splitlines()[0]
         assert (extracted / "usr/bin/unbounded-nvidia-setup").stat().st_mode & 0o111
@@ -394,8 +399,12 @@ def test_install_dpkg_root_and_purge(trixie: Path, deb: Path) -> None:
     in_root(trixie, "python3", "-c", "import sdnotify, yaml, unbounded_nvidia_setup.cli, "
             "unbounded_nvidia_setup.reconcile, unbounded_nvidia_setup.check")
     assert in_root(trixie, PACKAGE, "--version").stdout.strip()
-    # No NVIDIA device in the chroot: `check` is healthy (no GPU, no state).
+    # No NVIDIA device in the chroot: `check` is healthy (no GPU, no state), and its JSON
+    # matches the schema the package installed.
     assert in_root(trixie, PACKAGE, "check", check=False).returncode == 0
+    out = in_root(trixie, PACKAGE, "check", "--json", check=False)
+    report = check_schema.parse_check(out.stdout, out.returncode, trixie / SCHEMA)
+    assert report["verdict"] == "no-gpu", report
 
     state = fake_node_state(trixie)
     sh("dpkg", f"--root={trixie}", "--remove", PACKAGE)

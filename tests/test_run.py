@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from check_schema import check_report
 from invariants import assert_secure_root, secure_after  # noqa: F401  (fixture)
 from unbounded_nvidia_setup.tree import manifest
 
@@ -46,10 +47,8 @@ def snapshot(m: simgpu.SimMachine) -> tuple[object, ...]:
 
 
 def check_json(cli: Cli, m: simgpu.SimMachine) -> dict[str, object]:
-    out = cli(m.root, "check", "--json")
-    report: dict[str, object] = json.loads(out.stdout)
-    assert out.code == (0 if report["ok"] else 1)
-    return report
+    """`check --json`, validated against the schema (tests/check_schema.py)."""
+    return check_report(cli(m.root, "check", "--json"))
 
 
 def codes(report: dict[str, object]) -> set[str]:

@@ -12,7 +12,7 @@ from .config import Machine, load_yaml
 from .ldconf import write_atomically
 from .log import die
 from .run import Result, Started, find_program, start
-from .spec import KIND, spec_problems
+from .spec import KIND, SPEC_CODES, spec_problems
 from .tree import remove_tree
 
 # Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
@@ -136,7 +136,7 @@ def validate(machine: Machine, data: bytes, driver_version: str,
     except yaml.YAMLError:
         die("nvidia-ctk wrote a spec that is not valid YAML; it was not installed",
             hint="check the NVIDIA Container Toolkit version")
-    problems = spec_problems(doc, machine, code="spec", where="generated spec", kind=KIND,
+    problems = spec_problems(doc, machine, codes=SPEC_CODES, where="generated spec", kind=KIND,
                              version=driver_version, helpers=helpers)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""

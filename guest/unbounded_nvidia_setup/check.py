@@ -12,8 +12,16 @@ from . import discover, driver, ldconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
 from .plan import Manifest
-from .spec import KIND, Problem, device_names, spec_problems
+from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, Problem, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
+
+SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change within one
+UNIT = "unbounded-nvidia-setup.service"
+# The answer a host agent switches on (docs/host-integration.md).
+READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
+VERDICTS = (READY, NO_GPU, NOT_READY_YET, BROKEN)
+# Problems that mean "the host has not staged the driver yet", not "something broke".
+_WAITING_CODES = frozenset({"staging-missing"})
 
 
 @dataclass
@@ -23,15 +31,62 @@ class Report:
     module_version: str | None
     problems: list[Problem] = field(default_factory=list)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Live facts beside the files, set by `check`: a run or clean holds the lock right
+    # now; the unit's ActiveState and SubState (None: systemd not reachable or not asked).
+    setup_running: bool = False
+    unit: tuple[str, str] | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def verdict(self) -> str:
+        """From the state just read, never from a remembered result. Problems are only
+        "broken" when nothing is on its way to fixing them: no run holding the lock, no
+        unit start (or retry) pending, staging that is there."""
+        if self.ok:
+            return READY if self.gpu else NO_GPU
+        in_progress = self.setup_running or (self.unit is not None
+                                             and self.unit[0] == "activating")
+        if in_progress or any(p.code in _WAITING_CODES for p in self.problems):
+            return NOT_READY_YET
+        return BROKEN
+
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "gpu": self.gpu, "driver_version": self.driver_version,
-                "module_version": self.module_version,
-                "problems": [asdict(p) for p in self.problems], **self.sections}
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION, "verdict": self.verdict, "ok": self.ok,
+            "gpu": self.gpu, "driver_version": self.driver_version,
+            "module_version": self.module_version, "setup_running": self.setup_running,
+            "problems": [asdict(p) for p in self.problems], **self.sections}
+        if self.unit is not None:
+            out["unit"] = {"name": UNIT, "active_state": self.unit[0],
+                           "sub_state": self.unit[1]}
+        return out
+
+
+def unit_state(machine: Machine) -> tuple[str, str] | None:
+    """The setup unit's (ActiveState, SubState) from systemd, when this is the running
+    system and systemd is its init; None otherwise, and whenever systemctl cannot answer
+    (absent, hung, no bus): the verdict then rests on the files and the lock alone."""
+    if not machine.is_live or not os.path.isdir("/run/systemd/system"):
+        return None
+    import shutil
+
+    from .run import run
+
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        return None
+    try:
+        result = run([systemctl, "show", "--property=ActiveState,SubState", "--value", UNIT],
+                     timeout=10, quiet=True)
+    except Failure:
+        return None
+    lines = result.stdout.split("\n")
+    if not result.ok or len(lines) < 2 or not lines[0]:
+        return None
+    return lines[0].strip(), lines[1].strip()
 
 
 def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
@@ -117,10 +172,11 @@ def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
     if why:
         report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
         return
-    section.update(kind=doc.get("kind") if isinstance(doc, dict) else None,
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    section.update(kind=kind if isinstance(kind, str) else None,  # a string or null: schema
                    devices=device_names(doc))
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
-    report.problems += spec_problems(doc, machine, code="spec", where=str(path), kind=KIND,
+    report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
@@ -139,7 +195,7 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
         report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
         return
     section["devices"] = device_names(doc)
-    report.problems += spec_problems(doc, machine, code="plugin-spec", where=str(path),
+    report.problems += spec_problems(doc, machine, codes=PLUGIN_SPEC_CODES, where=str(path),
                                      kind=None, version=version)
 
 

@@ -49,13 +49,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from .check import collect
-    from .lock import locked
+    from .check import collect, unit_state
+    from .lock import shared_or_busy
 
     def action() -> int:
         machine = _machine(args)
-        with locked(machine, exclusive=False):
+        # Never waits behind a run (lock.shared_or_busy says why): a host agent asking
+        # "ready?" during a boot's setup gets "not ready yet" now, not in 300 s.
+        with shared_or_busy(machine) as busy:
             report = collect(machine)
+        report.setup_running = busy
+        report.unit = unit_state(machine)
         if args.as_json:
             import json
 
@@ -64,6 +68,7 @@ def check(args: argparse.Namespace) -> int:
             for p in report.problems:
                 print(f"{p.code}: {log.one_line(p.message)}")
             print("ok" if report.ok else f"{len(report.problems)} problems")
+            print(f"verdict: {report.verdict}")
         return 0 if report.ok else EXIT_FAILED
 
     return _guarded(action)

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from . import log
 from .config import Machine
@@ -50,3 +51,36 @@ def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextmanager
+def shared_or_busy(machine: Machine) -> Iterator[bool]:
+    """For `check`: one non-blocking try at the shared lock. Yields False holding it (no
+    run can change the state while `check` reads it), or True without it when a run or
+    `clean` holds it exclusively: that caller is told at once that a setup is in progress
+    instead of waiting behind it for up to `lock_timeout_seconds`. Reading unlocked is
+    safe because a run replaces the root, the spec and the drop-in by rename, so every
+    file read is a whole old or a whole new one; `check` changes nothing either way."""
+    path = machine.lock_file
+    fd = _open_for_probe(path)
+    if fd is None:  # no lock file (nothing ever ran) or not readable: nobody to wait for
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield True
+            return
+        yield False
+    finally:
+        os.close(fd)
+
+
+def _open_for_probe(path: Path) -> int | None:
+    """The lock file opened read-only, never created: an unprivileged `check` can still
+    see a run in progress, and a `check` under --root leaves no file behind."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None

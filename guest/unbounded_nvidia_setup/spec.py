@@ -55,17 +55,43 @@ def device_names(doc: Any) -> list[str]:
     return [str(d.get("name")) for d in doc.get("devices") or [] if isinstance(d, dict)]
 
 
-def spec_problems(doc: Any, machine: Machine, *, code: str, where: str, kind: str | None,
-                  version: str | None, helpers: tuple[str, ...] = ()) -> list[Problem]:
-    """Everything DESIGN step 10 asks of a spec, as problems named `<code>-…`."""
+# The problem codes of each spec, spelled out rather than built from a prefix: every code
+# the tool emits is a literal in its source, which is how tests/test_contract.py finds
+# them all. The device plugin's spec has no kind to match (kind=None) and no helpers to
+# require, so it has no -wrong-kind or -missing-helper code.
+SPEC_CODES = {
+    "invalid": "spec-invalid",
+    "wrong-kind": "spec-wrong-kind",
+    "no-devices": "spec-no-devices",
+    "staging-path": "spec-staging-path",
+    "missing-host-path": "spec-missing-host-path",
+    "bad-device-node": "spec-bad-device-node",
+    "missing-library": "spec-missing-library",
+    "missing-helper": "spec-missing-helper",
+}
+PLUGIN_SPEC_CODES = {
+    "invalid": "plugin-spec-invalid",
+    "no-devices": "plugin-spec-no-devices",
+    "staging-path": "plugin-spec-staging-path",
+    "missing-host-path": "plugin-spec-missing-host-path",
+    "bad-device-node": "plugin-spec-bad-device-node",
+    "missing-library": "plugin-spec-missing-library",
+}
+
+
+def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: str,
+                  kind: str | None, version: str | None,
+                  helpers: tuple[str, ...] = ()) -> list[Problem]:
+    """Everything DESIGN step 10 asks of a spec, as problems with `codes` (SPEC_CODES or
+    PLUGIN_SPEC_CODES)."""
     if not isinstance(doc, dict):
-        return [Problem(f"{code}-invalid", f"{where} is not a CDI spec (no mapping)", where)]
+        return [Problem(codes["invalid"], f"{where} is not a CDI spec (no mapping)", where)]
     problems = []
     if kind is not None and doc.get("kind") != kind:
-        problems.append(Problem(f"{code}-wrong-kind",
+        problems.append(Problem(codes["wrong-kind"],
                                 f"{where} has kind {doc.get('kind')!r}, expected {kind!r}", where))
     if not device_names(doc):
-        problems.append(Problem(f"{code}-no-devices", f"{where} lists no devices", where))
+        problems.append(Problem(codes["no-devices"], f"{where} lists no devices", where))
     edits = _edits(doc)
     driver_root = machine.driver_root
     staging = machine.at(machine.staging_parent)
@@ -74,11 +100,11 @@ def spec_problems(doc: Any, machine: Machine, *, code: str, where: str, kind: st
         raw = str(mount.get("hostPath", ""))
         path = host_path(machine, raw)
         if path.is_relative_to(staging) or Path(raw).is_relative_to(machine.staging_parent):
-            problems.append(Problem(f"{code}-staging-path",
+            problems.append(Problem(codes["staging-path"],
                                     f"{where} mounts {raw} from the staging mounts, which GPU "
                                     "pods cannot rely on", raw))
         elif not os.path.exists(path):
-            problems.append(Problem(f"{code}-missing-host-path",
+            problems.append(Problem(codes["missing-host-path"],
                                     f"{where} mounts {raw}, which does not exist", raw))
         elif path.is_relative_to(driver_root):
             driver_files.add(path.name)
@@ -89,7 +115,7 @@ def spec_problems(doc: Any, machine: Machine, *, code: str, where: str, kind: st
         except OSError:
             ok = False
         if not ok:
-            problems.append(Problem(f"{code}-bad-device-node",
+            problems.append(Problem(codes["bad-device-node"],
                                     f"{where} names device node {raw!r}, which is not a "
                                     "character device", raw))
     patterns = [("libcuda.so", "library"), ("libnvidia-ml.so", "library")]
@@ -106,6 +132,6 @@ def spec_problems(doc: Any, machine: Machine, *, code: str, where: str, kind: st
             found = any(re.fullmatch(rf"{re.escape(name)}\.\d+\.\d+(\.\d+)?", n)
                         for n in driver_files)
         if not found:
-            problems.append(Problem(f"{code}-missing-{what}",
+            problems.append(Problem(codes[f"missing-{what}"],
                                     f"{where} does not mount {wanted} from {driver_root}", where))
     return problems

@@ -19,10 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import hostcmd
 import rootfs
+from check_schema import parse_check
 
 import simgpu
 from .nspawn import HOST_PATH, Bind, Machine
@@ -105,9 +108,9 @@ def build_deb(version: str | None = None, dist: Path | None = None) -> Path:
 
 
 def dpkg_install(root: Path, deb: Path) -> None:
-    """Offline install into a machine rootfs, as an operator would: ``dpkg --root``."""
+    """Offline install into a machine rootfs, as docs/host-integration.md writes it."""
     proc = subprocess.run(
-        ["dpkg", f"--root={root}", "-i", str(deb)],
+        hostcmd.argv("install", ROOTFS=str(root), DEB=str(deb)),
         capture_output=True, text=True, timeout=DPKG_TIMEOUT, stdin=subprocess.DEVNULL,
         env={"PATH": HOST_PATH, "LC_ALL": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"},
         check=False,
@@ -256,12 +259,27 @@ def wait_node_up(m: Machine, timeout: float = 60.0) -> dict[str, dict[str, str]]
     return snapshot(m)
 
 
-def check_json(m: Machine) -> dict[str, object]:
-    res = m.exec("unbounded-nvidia-setup", "check", "--json", check=False)
+def host_command(m: Machine, name: str) -> subprocess.CompletedProcess[str]:
+    """docs/host-integration.md's command NAME, run in the machine (tests/hostcmd.py)."""
+    return m.exec(*hostcmd.in_guest(hostcmd.commands()[name]), check=False)
+
+
+def check_json(m: Machine) -> dict[str, Any]:
+    """The doc's "validate" command (`check --json` in the guest), its output validated
+    against the schema (tests/check_schema.py)."""
+    res = host_command(m, "validate")
     assert "Traceback" not in res.stderr, res.stderr
-    report: dict[str, object] = json.loads(res.stdout)
-    assert res.returncode == (0 if report.get("ok") else 1), (res.returncode, report)
+    report = parse_check(res.stdout, res.returncode)
+    # On the running system with systemd as PID 1, check always knows the unit's state.
+    assert report["unit"]["name"] == SETUP, report
     return report
+
+
+def is_active(m: Machine) -> str:
+    """The doc's "is-active" command: the setup unit's state as it prints it."""
+    res = host_command(m, "is-active")
+    assert (res.returncode == 0) == (res.stdout.strip() == "active"), res
+    return res.stdout.strip()
 
 
 # -- timing records --------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from .harness import (
     Node,
     NodeFactory,
     check_json,
+    host_command,
+    is_active,
     record_timing,
     service_events,
     snapshot,
@@ -53,8 +55,11 @@ def assert_gpu_node_ready(
     assert starts["containerd"].pid == int(c["MainPID"])
     assert starts["kubelet"].pid == int(k["MainPID"])
 
+    assert is_active(m) == "active"
     report = check_json(m)
     assert report["ok"] is True and report["gpu"] is True, report
+    assert report["verdict"] == "ready", report
+    assert report["unit"]["active_state"] == "active", report
     assert report["driver_version"] == node.sim.version
     libcuda = f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.{node.sim.version}"
     kind = m.exec("stat", "--format=%F", libcuda).stdout.strip()
@@ -92,6 +97,7 @@ def test_no_gpu_boot(make_node: NodeFactory) -> None:
         assert not m.exists(SPEC)
         report = check_json(m)
         assert report["ok"] is True and report["gpu"] is False, report
+        assert report["verdict"] == "no-gpu", report
         record_timing("no-GPU boot", m, snap)
 
 
@@ -124,6 +130,13 @@ def test_late_staging(make_node: NodeFactory) -> None:
         assert "staging" in status_line and "/run/host-nvidia/0" in status_line, statuses
         jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
         assert CONTAINERD in jobs and KUBELET in jobs, jobs
+        # What the host agent sees meanwhile: "activating", and "not ready yet" (no root
+        # yet, but the unit is still trying): wait.
+        assert is_active(m) == "activating"
+        report = check_json(m)
+        assert report["verdict"] == "not-ready-yet", report
+        assert report["unit"]["active_state"] == "activating", report
+        assert "root-missing" in {p["code"] for p in report["problems"]}, report
 
         filled_us = now_us()
         for entry in sorted(full.iterdir()):
@@ -182,18 +195,33 @@ def test_broken_staging_never_heals(make_node: NodeFactory) -> None:
         assert len(set(product_errors)) == 1, product_errors
         assert len(product_errors) >= 2, product_errors
         assert not m.exists(DRIVER_ROOT)
+        # The unit retries forever, so the host agent is told to wait, not to repair; the
+        # unit's status line says what the host must fix (docs/host-integration.md).
+        assert is_active(m) == "activating"
+        report = check_json(m)
+        assert report["verdict"] == "not-ready-yet", report
+        assert report["unit"]["active_state"] == "activating", report
+        assert "root-missing" in {p["code"] for p in report["problems"]}, report
         record_timing("broken staging", m, snap, note=f"error: {product_errors[-1]}")
 
 
 def test_manual_restart(make_node: NodeFactory) -> None:
-    """`systemctl restart unbounded-nvidia-setup`: kubelet stops before containerd, the
-    setup reruns, containerd starts before kubelet, all active at the end."""
+    """The repair of docs/host-integration.md on a tampered node: the verdict is "broken";
+    `systemctl --machine=M restart unbounded-nvidia-setup` (run in the machine): kubelet
+    stops before containerd, the setup reruns, containerd starts before kubelet, all
+    active at the end, the verdict "ready"."""
     node = make_node()
     with node.machine() as m:
         before = assert_gpu_node_ready(m, node)
         record_timing("restart: first boot", m, before)
+        m.exec("rm", f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.1")
+        report = check_json(m)
+        assert report["verdict"] == "broken", report
+        assert report["unit"]["active_state"] == "active", report
+        assert "root-missing-link" in {p["code"] for p in report["problems"]}, report
         t0 = now_us()
-        m.systemctl("restart", SETUP, check=True)
+        res = host_command(m, "restart")
+        assert res.returncode == 0, res
         m.wait_until(
             lambda: all(m.is_active(u) for u in NODE_UNITS)
             and m.prop(KUBELET, "MainPID") not in ("0", before[KUBELET]["MainPID"]),
