@@ -43,12 +43,13 @@ import pytest
 from invariants import (
     run_cli,
     secure_after,  # noqa: F401  (fixture)
+    traced,
 )
 from test_crash import Swapper, assert_whole, swapper
 from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
-from conftest import FAKE_CTK, needs_root
+from conftest import FAKE_CTK, Outcome, needs_root
 from test_run import root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -112,6 +113,35 @@ def test_eight_concurrent_runs(tmp_path: Path) -> None:
     assert sum("not rebuilt" in out.stderr for out in outs) == 7
     assert assert_serialized(log) == 8
     assert json.loads(run_cli(m.root, "check", "--json").stdout)["ok"] is True
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_a_check_during_a_run_waits_for_its_end(tmp_path: Path) -> None:
+    """A run held (by strace) between making the root and installing its drop-in and
+    spec: a `check` started then sees none of that, it waits for the lock and reports the
+    finished state. Deterministic where the races below are not: the in-between state is
+    seen to exist (root there, spec not) before the check starts."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    seen: list[Outcome] = []
+
+    def check_while_held() -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.lexists(root_of(m)):
+            assert time.monotonic() < deadline, "the run never made the root"
+            time.sleep(0.01)
+        assert not spec_of(m).exists(), "the run did not stop in between"
+        seen.append(run_cli(m.root, "check", "--json"))
+
+    # On a first boot the run's first rename makes the root, its second installs the
+    # drop-in (the spec comes after): hold the second for longer than a check takes.
+    tr = traced(m.root, "run", inject="rename:delay_enter=5s:when=2",
+                during=check_while_held)
+    assert tr.outcome.code == 0, tr.outcome.stderr
+    [check] = seen
+    report = json.loads(check.stdout)
+    assert check.code == 0 and report["ok"] is True, report["problems"]
+    assert "Waiting for another run" in check.stderr, check.stderr
 
 
 def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:

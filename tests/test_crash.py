@@ -393,6 +393,9 @@ def test_killed_atomic_writes_leave_no_temp_files(two_drivers: Swapper) -> None:
 
 
 def test_concurrent_runs_and_checks_serialize(tmp_path: Path, cli: Cli) -> None:
+    """8 runs and 4 checks at once on a fresh machine: every check sees the state before
+    the first run (exactly root, spec and drop-in missing) or after it (whole, the full
+    library list), never one in between (a root without its spec or drop-in)."""
     m = simgpu.make_machine(tmp_path / "root")
     m.write_config()
 
@@ -405,15 +408,22 @@ def test_concurrent_runs_and_checks_serialize(tmp_path: Path, cli: Cli) -> None:
 
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(one, range(12)))
+    final = json.loads(cli(m.root, "check", "--json").stdout)
+    assert final["ok"] is True
+    seen = Counter[str]()
     for kind, code, text in results:
         if kind == "run":
             assert code == 0, text
+            continue
+        report = json.loads(text)
+        codes = sorted(p["code"] for p in report["problems"])
+        if report["ok"]:
+            assert code == 0 and report["driver_root"] == final["driver_root"]
+            seen["whole"] += 1
         else:
-            report = json.loads(text)
-            codes = {p["code"] for p in report["problems"]}
-            # Before the first run: nothing yet. After: whole. Never anything torn.
-            assert codes <= {"root-missing", "spec-missing", "ldconf-missing"}, codes
-    assert json.loads(cli(m.root, "check", "--json").stdout)["ok"] is True
+            assert code == 1 and codes == ["ldconf-missing", "root-missing", "spec-missing"], codes
+            seen["before"] += 1
+    assert sum(seen.values()) == 4, seen
 
 
 @pytest.fixture(autouse=True)
