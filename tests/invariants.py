@@ -11,7 +11,9 @@ process from outside.
   ``tmp_path`` once the test is over (``pytest.mark.usefixtures("secure_after")``).
 * :func:`traced` -- run the real CLI under ``strace -f -y`` and get back every path it
   (or a program it ran) created, wrote, linked, renamed, deleted, chmod'ed or opened;
-  :func:`write_violations` checks the writes against the set of paths the tool may touch.
+  :func:`write_violations` checks the writes against the set of paths the tool may touch;
+  ``Traced.opened`` finds opens by what the kernel reached (through links, and through
+  /proc/self of whichever traced process opened it), not only by the name asked for.
 * :func:`product_env` -- an environment in which ``#!/usr/bin/env python3`` (the
   nvidia-ctk stand-in) is this interpreter rather than a pyenv shim: runs are faster and
   the syscall counts the crash tests rely on do not depend on the shell setup.
@@ -27,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -301,6 +304,7 @@ class Access:
     kind: str
     path: str
     result: str
+    flags: str = ""  # of an open
 
 
 def _fd_path(arg: str) -> str | None:
@@ -368,11 +372,11 @@ def accesses(calls: Iterable[Call]) -> list[Access]:
             kind = "write" if any(f in flags for f in _WRITE_FLAGS) else "open"
             dirfd = a[0] if off else None
             found.append(Access(call.pid, call.name, kind, resolve(call.pid, dirfd, raw),
-                                call.result))
+                                call.result, flags))
             opened = _fd_path(call.result.split(" ")[0]) if call.result else None
             if opened:
                 found.append(Access(call.pid, call.name, kind, os.path.normpath(opened),
-                                    call.result))
+                                    call.result, flags))
             continue
         if call.name in ("fchmod", "fchown") and a:
             path = _fd_path(a[0])
@@ -403,23 +407,91 @@ def symlink_targets(calls: Iterable[Call]) -> list[tuple[str, str]]:
     return out
 
 
+# /proc/self and /proc/thread-self mean the process that resolves them: strace names what
+# the kernel opened through them /proc/<tgid>/... and /proc/<tgid>/task/<tid>/...
+_PROC_SELF = re.compile(r"/proc/(self|thread-self)(/.*)?")
+_PROC_PID = re.compile(r"/proc/(?:self|thread-self|\d+)(?:/.*)?")
+_MAX_LINKS = 40
+
+
+def through_links(path: str, *, follow_last: bool = True) -> str:
+    """Where `path` leads now, following every symlink on the way as the kernel would (the
+    last one only with `follow_last`: O_NOFOLLOW), but keeping /proc/self,
+    /proc/thread-self and /proc/<pid> by name: what they lead to depends on who opens them
+    (the traced process, not this test), and links below them (fd/N, cwd, exe) name that
+    process's own files."""
+    parts = [p for p in path.split("/") if p][::-1]
+    current = "/"
+    hops = 0
+    while parts:
+        part = parts.pop()
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        if _PROC_PID.fullmatch(candidate):
+            return os.path.normpath("/".join([candidate, *reversed(parts)]))
+        try:
+            is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
+        except OSError:
+            return os.path.normpath("/".join([candidate, *reversed(parts)]))
+        if is_link and hops < _MAX_LINKS and (parts or follow_last):
+            hops += 1
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = "/"
+            parts += [p for p in target.split("/") if p][::-1]
+            continue
+        current = candidate
+    return current
+
+
 @dataclass
 class Traced:
     outcome: Outcome
     calls: list[Call]
 
-    @property
+    @cached_property
     def accesses(self) -> list[Access]:
         return accesses(self.calls)
+
+    @cached_property
+    def pids(self) -> frozenset[int]:
+        """Every process and thread the trace shows."""
+        return frozenset(c.pid for c in self.calls)
 
     def writes(self) -> list[Access]:
         return [x for x in self.accesses if x.kind in ("write", "link-source")]
 
     def opened(self, path: Path | str) -> list[Access]:
-        """Opens (any mode, O_PATH aside) of `path` itself."""
+        """Opens (any mode, O_PATH aside) that reached `path`: by its name, through links
+        that lead to it (followed now: staging does not change under these tests), or,
+        for a /proc/self or /proc/thread-self path, the same file of a traced process,
+        which is how strace names it."""
         wanted = os.path.normpath(str(path))
-        return [x for x in self.accesses if x.kind in ("open", "write") and x.path == wanted
-                and x.syscall.startswith(("open", "creat"))]
+        leads: dict[tuple[str, bool], str] = {}
+        found = []
+        for x in self.accesses:
+            if x.kind not in ("open", "write") or not x.syscall.startswith(("open", "creat")):
+                continue
+            key = (x.path, "O_NOFOLLOW" not in x.flags)
+            if key not in leads:
+                leads[key] = through_links(x.path, follow_last=key[1])
+            if self._same_file(x.path, wanted) or self._same_file(leads[key], wanted):
+                found.append(x)
+        return found
+
+    def _same_file(self, seen: str, wanted: str) -> bool:
+        if seen == wanted:
+            return True
+        m = _PROC_SELF.fullmatch(wanted)
+        if m is None:
+            return False
+        task = r"/task/(\d+)" if m.group(1) == "thread-self" else r"(?:/task/(\d+))?"
+        got = re.fullmatch(r"/proc/(\d+)" + task + re.escape(m.group(2) or ""), seen)
+        return got is not None and all(int(g) in self.pids for g in got.groups() if g)
 
 
 def traced(root: Path, *args: str, env: dict[str, str] | None = None,

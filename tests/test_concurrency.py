@@ -22,7 +22,8 @@ the next run). So:
   "ready" or "not-ready-yet", never "broken". Racing six runs, most checks are of this
   kind; the counts are printed;
 * a reader that takes no lock (the device plugin starting a pod) always finds the root
-  (once made), its library dir exactly one generation, the spec exactly one good spec.
+  (once made) exactly one generation (names, types, sizes, mtimes, modes, link targets of
+  everything in it), the spec exactly one good spec.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ import itertools
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,11 +47,13 @@ from check_schema import check_report
 from invariants import (
     run_cli,
     secure_after,  # noqa: F401  (fixture)
+    traced,
 )
 from test_crash import Swapper, assert_whole, swapper
+from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
-from conftest import FAKE_CTK, needs_root
+from conftest import FAKE_CTK, Outcome, needs_root
 from test_run import root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -114,6 +119,40 @@ def test_eight_concurrent_runs(tmp_path: Path) -> None:
     assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_a_check_during_a_run_answers_at_once_not_ready_yet(tmp_path: Path) -> None:
+    """A run held (by strace) between making the root and installing its drop-in and
+    spec: a `check` started then does not wait for the lock (issue 11: a host agent asks
+    while the unit is activating). It answers while the run is still held, says
+    `setup_running`, and its verdict is not-ready-yet, not broken. Deterministic where the
+    races below are not: the in-between state is seen to exist (root there, spec not)
+    before the check starts and after it ends."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    seen: list[Outcome] = []
+
+    def check_while_held() -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.lexists(root_of(m)):
+            assert time.monotonic() < deadline, "the run never made the root"
+            time.sleep(0.01)
+        assert not spec_of(m).exists(), "the run did not stop in between"
+        seen.append(run_cli(m.root, "check", "--json"))
+        assert not spec_of(m).exists(), "the check waited for the run"
+
+    # On a first boot the run's first rename makes the root, its second installs the
+    # drop-in (the spec comes after): hold the second for longer than a check takes.
+    tr = traced(m.root, "run", inject="rename:delay_enter=5s:when=2",
+                during=check_while_held)
+    assert tr.outcome.code == 0, tr.outcome.stderr
+    [check] = seen
+    report = check_report(check)
+    assert report["setup_running"] is True and report["verdict"] == "not-ready-yet", report
+    assert "Waiting for another run" not in check.stderr, check.stderr
+    after = check_report(run_cli(m.root, "check", "--json"))
+    assert after["verdict"] == "ready" and after["setup_running"] is False
+
+
 def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
     """6 runs, 4 checks, 3 cleans at once, three times over: every command finishes, the
     programs of the runs never overlap, and each check sees either everything whole and
@@ -153,15 +192,55 @@ def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
     assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
 
 
+def _walk(dirfd: int, prefix: str, out: dict[str, tuple[object, ...]]) -> None:
+    for name in os.listdir(dirfd):
+        key = prefix + name
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            out[key] = ("l", os.readlink(name, dir_fd=dirfd))
+        elif stat.S_ISDIR(st.st_mode):
+            out[key] = ("d",)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+            try:
+                _walk(sub, key + "/", out)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            out[key] = ("f", st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+        else:
+            out[key] = ("?", str(stat.S_IFMT(st.st_mode)))
+
+
+def read_root(root: Path) -> tuple[dict[str, tuple[object, ...]] | None, bool]:
+    """What a reader finds at `root`, in the form of a Manifest, read through one open
+    directory (all of it from one generation), and whether `root` still named that
+    directory afterwards. When it did not, a swap happened during the read: the sample
+    says nothing (the old generation may already be being deleted). None on an error."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    found: dict[str, tuple[object, ...]] = {}
+    try:
+        st = os.fstat(fd)
+        try:
+            _walk(fd, "", found)
+            complete = True
+        except OSError:
+            complete = False
+    finally:
+        os.close(fd)
+    now = os.stat(root)
+    return (found if complete else None), (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 @dataclass
 class Observer:
     """Reads the live root and spec in a loop, without the lock, like a pod starting."""
 
     root: Path
     spec: Path
-    generations: set[frozenset[str]]
+    generations: list[Manifest]
     specs: set[bytes]
     samples: int = 0
+    void: int = 0  # reads a swap happened during
     torn: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -169,12 +248,17 @@ class Observer:
         while not self.stop.is_set():
             self.samples += 1
             try:
-                names = frozenset(os.listdir(self.root / "lib" / MA))
+                found, steady = read_root(self.root)
             except OSError as e:
                 self.torn.append(f"root: {e}")
                 continue
-            if names not in self.generations:
-                self.torn.append(f"root of {len(names)} entries: not one generation")
+            if not steady:
+                self.void += 1
+            elif found is None:
+                self.torn.append("root: an entry vanished while the root was live")
+            elif found not in self.generations:
+                self.torn.append(f"root of {len(found)} entries: not one generation: "
+                                 f"{differences(found, self.generations)}")
             try:
                 if self.spec.read_bytes() not in self.specs:
                     self.torn.append("spec is not one good spec")
@@ -183,8 +267,35 @@ class Observer:
             time.sleep(0.002)
 
 
-def lib_names(have: Mapping[str, object]) -> frozenset[str]:
-    return frozenset(k.split("/")[2] for k in have if k.startswith(f"lib/{MA}/"))
+def differences(found: Mapping[str, object], generations: list[Manifest]) -> str:
+    """How `found` differs from the generation closest to it (for the failure message)."""
+    def diff(want: Manifest) -> list[str]:
+        return sorted(k for k in set(found) | set(want) if found.get(k) != want.get(k))
+    return ", ".join(min((diff(g) for g in generations), key=len)[:3])
+
+
+# What `check` reports for a whole root of one driver (`held`) while the kernel module and
+# the staging are another (`staged`): the module's libcuda and libnvidia-ml are not in
+# the root (one root-missing-library each), the root holds another driver than the
+# module (root-version-mismatch), it differs from what staging calls for (root-out-of-
+# date), and the spec mounts the old libraries, not the module's (one
+# spec-missing-library each). The root is whole: its links, modes and files are its own,
+# so no other problem. Stated here, from docs/problems.md, not learned from `check`.
+def stale_problems(held: str, staged: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(code, words its message names) of every problem, in code order."""
+    libs = (f"libcuda.so.{staged}", f"libnvidia-ml.so.{staged}")
+    return sorted([*(("root-missing-library", (lib,)) for lib in libs),
+                   ("root-version-mismatch", (held, staged)),
+                   ("root-out-of-date", ("staging",)),
+                   *(("spec-missing-library", (lib,)) for lib in libs)])
+
+
+def assert_stale(report: Mapping[str, Any], held: str, staged: str) -> None:
+    problems = sorted((p["code"], p["message"]) for p in report["problems"])
+    want = stale_problems(held, staged)
+    assert [code for code, _ in problems] == [code for code, _ in want], problems
+    for (code, message), (_, words) in zip(problems, want, strict=True):
+        assert all(w in message for w in words), (code, message, words)
 
 
 def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> None:
@@ -194,16 +305,13 @@ def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> Non
     s.learn()
     log = wrap_programs(s.m, tmp_path)
     full = {v: libraries(have) for v, (have, _) in s.good.items()}
-    # What check reports for a whole root of one driver while staging holds the other.
-    stale: dict[str, set[str]] = {}
+    # The stale report, first with nothing racing it.
     for _ in range(2):
         s.use(s.other())
         report = check_report(run_cli(s.m.root, "check", "--json"))
-        stale[s.current] = {p["code"] for p in report["problems"]}
-        assert stale[s.current] and not stale[s.current] & ABSENT
+        assert_stale(report, held=s.other(), staged=s.current)
         assert run_cli(s.m.root, "run").code == 0
-    observer = Observer(root_of(s.m), spec_of(s.m),
-                        {lib_names(have) for have, _ in s.good.values()},
+    observer = Observer(root_of(s.m), spec_of(s.m), [have for have, _ in s.good.values()],
                         {spec for _, spec in s.good.values()})
     reader = threading.Thread(target=observer.loop)
     reader.start()
@@ -223,16 +331,17 @@ def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> Non
                     swaps += "now holds driver" in out.stderr
                     continue
                 report = check_report(out)
-                codes = {p["code"] for p in report["problems"]}
                 if report["setup_running"]:
                     assert report["verdict"] in ("ready", "not-ready-yet"), report
                     checks["busy"] += 1
                     continue
-                assert report["driver_root"]["libraries"] in full.values()
                 if report["ok"]:
+                    assert report["driver_root"]["libraries"] == full[s.current]
                     checks["whole"] += 1
                 else:
-                    assert codes == stale[s.current], codes
+                    # Before the batch's first run: the other driver's root, whole.
+                    assert report["driver_root"]["libraries"] == full[s.other()]
+                    assert_stale(report, held=s.other(), staged=s.current)
                     checks["stale"] += 1
             assert swaps == 1
             assert assert_whole(s, may_be_absent=False) == s.current
@@ -242,6 +351,7 @@ def test_swapping_runs_race_checks_and_a_lock_free_reader(tmp_path: Path) -> Non
     assert_serialized(log)
     print(f"CONCURRENCY swap-race: checks whole={checks['whole']} stale={checks['stale']} "
           f"during a run (not broken) {checks['busy']}; "
-          f"lock-free reads {observer.samples}, torn {len(observer.torn)}")
+          f"lock-free reads {observer.samples} ({observer.void} during a swap), "
+          f"torn {len(observer.torn)}")
     assert observer.torn == []
-    assert observer.samples > 100
+    assert observer.samples - observer.void > 100

@@ -4,13 +4,19 @@ staging entries."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from invariants import assert_secure_root
+from invariants import (
+    assert_secure_root,
+    secure_after,  # noqa: F401  (fixture)
+    traced,
+)
 from unbounded_nvidia_setup.discover import resolve_within
 from unbounded_nvidia_setup.elf import CorruptElf, read_elf
 
@@ -18,6 +24,8 @@ import simgpu
 from conftest import Cli, needs_root
 from test_run import check_json, root_of
 
+# The security invariants on every machine a test here ran the product on.
+pytestmark = pytest.mark.usefixtures("secure_after")
 MA = "x86_64-linux-gnu"
 
 
@@ -106,7 +114,14 @@ def test_hostile_staging_gives_a_correct_root(tmp_path: Path, cli: Cli) -> None:
     setuid = lib / f"libnvidia-setuid.so.{m.version}"
     if setuid.exists():
         assert oct(setuid.stat().st_mode & 0o7777) == oct(0o644)
-    # Nothing outside staging was read into the root: no file holds /etc/shadow's text.
+    # Nothing outside staging was read into the root: no file holds the text of
+    # /etc/shadow, which a staged link names.
+    secret = Path("/etc/shadow").read_bytes().strip()
+    assert secret, "/etc/shadow is empty here: nothing to look for"
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            leaked = secret in path.read_bytes()  # not in the assertion: no secret in logs
+            assert not leaked, f"{path} holds the text of /etc/shadow"
     assert check_json(cli, m)["ok"] is True
     # The log names what it skipped, each on one line.
     assert all("\n" not in line for line in out.lines)
@@ -114,23 +129,41 @@ def test_hostile_staging_gives_a_correct_root(tmp_path: Path, cli: Cli) -> None:
 
 
 @needs_root
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
 def test_special_files_named_like_libraries_are_never_opened_for_reading(
-        tmp_path: Path, cli: Cli) -> None:
-    """A FIFO named like a library would block a naive open(); a socket cannot be opened."""
+        tmp_path: Path) -> None:
+    """A FIFO, a socket and device nodes named like libraries: the run may look at them
+    with O_PATH and fstat, which runs no driver code and wakes no writer, but never opens
+    them otherwise. Seen in the trace: a FIFO opened O_RDONLY|O_NONBLOCK does not block,
+    and /dev/zero's or a loop device's numbers read like empty files, so the outcome alone
+    would not show it."""
     m = simgpu.make_machine(tmp_path / "root")
     m.write_config()
-    os.mkfifo(m.staging[0] / f"libnvidia-fifo.so.{m.version}")
+    lib = m.staging[0]
+    fifo = lib / f"libnvidia-fifo.so.{m.version}"
+    os.mkfifo(fifo)
+    chardev = lib / f"libnvidia-zero.so.{m.version}"
+    os.mknod(chardev, stat.S_IFCHR | 0o644, os.makedev(1, 5))
+    blockdev = lib / f"libnvidia-loop.so.{m.version}"
+    os.mknod(blockdev, stat.S_IFBLK | 0o644, os.makedev(7, 0))
+    sock = lib / f"libnvidia-sock.so.{m.version}"
     s = socket.socket(socket.AF_UNIX)
     cwd = os.getcwd()
-    os.chdir(m.staging[0])  # socket paths are limited to 108 bytes
+    os.chdir(lib)  # socket paths are limited to 108 bytes
     try:
-        s.bind(f"libnvidia-sock.so.{m.version}")
+        s.bind(sock.name)
     finally:
         os.chdir(cwd)
-    out = cli(m.root, "run", timeout=60)
+    tr = traced(m.root, "run", timeout=60)
     s.close()
-    assert out.code == 0, out.stderr
-    assert not (root_of(m) / "lib" / MA / f"libnvidia-fifo.so.{m.version}").exists()
+    assert tr.outcome.code == 0, tr.outcome.stderr
+    for special in (fifo, chardev, blockdev, sock):
+        assert tr.opened(special) == [], f"{special.name} was opened"
+        assert not (root_of(m) / "lib" / MA / special.name).exists()
+    # They were looked at (O_PATH), just not opened: the check above is not vacuous.
+    looked_at = {c.args[1] for c in tr.calls if c.name == "openat" and len(c.args) > 2
+                 and "O_PATH" in c.args[2]}
+    assert {f'"{p}"' for p in (fifo, chardev, blockdev, sock)} <= looked_at
 
 
 @needs_root

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from invariants import secure_after  # noqa: F401  (fixture)
+from invariants import product_argv, product_env, secure_after  # noqa: F401  (fixture)
 
 import simgpu
 from conftest import Cli, needs_root
@@ -74,17 +74,29 @@ def test_empty_staging_dir_waits_then_exits_75(m: simgpu.SimMachine, cli: Cli) -
 
 
 def test_staging_that_appears_while_waiting_is_used(m: simgpu.SimMachine, tmp_path: Path) -> None:
+    """The staging appears only once the run says it is waiting for it (no fixed sleep:
+    a run slow to start would otherwise find it already there and never wait)."""
     staging = m.root / "run/host-nvidia"
     aside = tmp_path / "aside"
     shutil.move(staging, aside)
     m.write_config(staging_wait_seconds=30)
-    proc = subprocess.Popen([sys.executable, "-m", "unbounded_nvidia_setup", "--root",
-                             str(m.root), "run"], stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    shutil.move(aside, staging)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "Waiting for driver staging" in err
+    with subprocess.Popen(product_argv(m.root, "run"), stderr=subprocess.PIPE, text=True,
+                          env=product_env(), stdin=subprocess.DEVNULL) as proc:
+        assert proc.stderr is not None
+        before = []
+        for line in proc.stderr:
+            before.append(line)
+            if line.startswith("Waiting for driver staging"):
+                break
+        else:
+            proc.wait()
+            pytest.fail(f"the run never waited for the staging: {''.join(before)}")
+        shutil.move(aside, staging)
+        after = proc.stderr.read()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, after
+    assert "nothing at" in before[-1], before[-1]
+    assert "now holds driver" in after
     assert (root_of(m) / f"lib/x86_64-linux-gnu/libcuda.so.{m.version}").is_file()
 
 

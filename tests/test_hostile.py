@@ -817,3 +817,37 @@ def test_the_tracer_sees_writes_outside_the_allowed_set(tmp_path: Path) -> None:
     assert [x.path for x in tr.accesses if x.syscall == "symlinkat"] == [
         f"{root}/run/nvidia/.driver.ab/lib/a\nb"]
     assert tr.opened("/etc/shadow") and not tr.opened(f"{root}/run/host-nvidia/0/l")
+
+
+def test_the_tracer_sees_what_a_link_into_proc_self_opened(tmp_path: Path) -> None:
+    """strace names what the kernel opened, never the /proc/self path that led there: a
+    link to /proc/self/environ opens /proc/<tgid>/environ, to /proc/thread-self/...
+    /proc/<tgid>/task/<tid>/..., and to /proc/self/fd/0 whatever fd 0 is (/dev/null)."""
+    for link, target in (("env", "/proc/self/environ"), ("stdin", "/proc/self/fd/0"),
+                         ("task", up_to_fs_root(tmp_path) + "proc/thread-self/environ")):
+        os.symlink(target, tmp_path / link)
+    text = "\n".join([
+        f'812 openat(AT_FDCWD, "{tmp_path}/env", O_RDONLY|O_CLOEXEC) = 3</proc/812/environ>',
+        f'813 openat(AT_FDCWD, "{tmp_path}/task", O_RDONLY) = 4</proc/812/task/813/environ>',
+        f'812 openat(AT_FDCWD, "{tmp_path}/stdin", O_RDONLY|O_NONBLOCK) = 5</dev/null>',
+        # O_NOFOLLOW does not follow the last link: nothing was opened through it.
+        f'812 openat(AT_FDCWD, "{tmp_path}/env", O_RDONLY|O_NOFOLLOW) = -1 ELOOP (Too many)',
+        # What the product does for a staged file: O_PATH, then reopen via /proc/self/fd.
+        f'812 openat(AT_FDCWD, "{tmp_path}/lib.so", O_RDONLY|O_PATH|O_NOFOLLOW) = 6</x/lib.so>',
+        '812 openat(AT_FDCWD, "/proc/self/fd/6", O_RDONLY|O_CLOEXEC) = 7</x/lib.so>',
+        # Another process's environ (pid 99 is not traced) and a plain /dev/null.
+        '812 openat(AT_FDCWD, "/proc/99/environ", O_RDONLY) = 8</proc/99/environ>',
+        '812 openat(AT_FDCWD, "/dev/null", O_RDONLY) = 9</dev/null>',
+    ])
+    tr = Traced(Outcome(0, "", ""), parse_calls(text))
+
+    def fds(path: str) -> list[str]:
+        return sorted({x.result.split("<")[0] for x in tr.opened(path)})
+
+    assert fds("/proc/self/environ") == ["3", "4"]
+    assert fds("/proc/thread-self/environ") == ["4"]
+    assert fds("/proc/self/fd/0") == ["5"]
+    assert fds("/proc/self/fd/6") == ["7"]
+    assert fds("/proc/99/environ") == ["8"]
+    assert fds("/dev/null") == ["5", "9"]
+    assert fds("/proc/self/mem") == [] and fds(f"{tmp_path}/lib.so") == []
