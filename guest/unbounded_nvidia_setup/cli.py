@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -42,9 +43,26 @@ def _machine(args: argparse.Namespace) -> Machine:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .metrics import RunRecord
     from .reconcile import reconcile
 
-    _guarded(lambda: reconcile(_machine(args), force=args.force))
+    record = RunRecord()
+
+    def action() -> None:
+        record.machine = _machine(args)
+        reconcile(record.machine, force=args.force, record=record)
+
+    # The metrics say how the run ended, failures included: written here, where every
+    # outcome has become its exit code, and unable to change it (metrics.write).
+    code = 1  # an unexpected exception: Python exits 1 with its traceback
+    try:
+        _guarded(action)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    finally:
+        record.finish(code)
     return 0
 
 
@@ -56,6 +74,10 @@ def check(args: argparse.Namespace) -> int:
         machine = _machine(args)
         with locked(machine, exclusive=False):
             report = collect(machine)
+            if args.metrics:
+                from .metrics import write_check
+
+                write_check(machine, report, time.time())
         if args.as_json:
             import json
 
@@ -138,9 +160,13 @@ def parser() -> argparse.ArgumentParser:
             "staging mounts").add_argument(
         "--force", action="store_true",
         help="swap the driver root even while containerd or kubelet run")
-    command("check", check, "validate the live state; change nothing; exit 1 on "
-            "problems").add_argument(
+    check_parser = command("check", check, "validate the live state; change nothing; "
+                           "exit 1 on problems")
+    check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print one JSON object")
+    check_parser.add_argument(
+        "--metrics", action="store_true",
+        help="also write the result to unbounded_nvidia_setup.prom in metrics_dir")
     command("status", status, "summarize GPU, driver root, spec and problems")
     command("clean", clean, "remove the driver root, the CDI spec and the ld.so.conf "
             "drop-in").add_argument(

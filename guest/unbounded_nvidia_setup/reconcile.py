@@ -10,6 +10,7 @@ from . import cdi, discover, driver, ldconf, log, tree
 from .config import Machine
 from .lock import locked
 from .log import EXIT_TEMPFAIL, Failure, die
+from .metrics import RunRecord
 from .plan import Manifest, Plan
 from .run import find_program
 from .verify import root_problems
@@ -98,12 +99,14 @@ def clean(machine: Machine, *, force: bool = False) -> None:
     log.status(f"Removed {len(removed)} items" if removed else "Nothing to remove")
 
 
-def reconcile(machine: Machine, *, force: bool = False) -> None:
+def reconcile(machine: Machine, *, force: bool = False,
+              record: RunRecord | None = None) -> None:
+    """`record`, when given, learns what the run did (metrics.RunRecord)."""
     with locked(machine):
-        _reconcile(machine, force)
+        _reconcile(machine, force, record or RunRecord())
 
 
-def _reconcile(machine: Machine, force: bool) -> None:
+def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     log.status("Looking for NVIDIA devices")
     if not discover.has_gpu(machine):
         try:
@@ -111,6 +114,11 @@ def _reconcile(machine: Machine, force: bool) -> None:
         except OSError as e:
             die(f"cannot remove stale driver state {e.filename}: {e.strerror}",
                 hint="remove it by hand")
+        # The end state is known without checking: no GPU, and nothing of ours left.
+        from .check import Report
+
+        record.report = Report(gpu=False, driver_version=None, module_version=None)
+        record.checked_at = time.time()
         log.status("No NVIDIA GPU in this machine: nothing to set up"
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
@@ -141,13 +149,14 @@ def _reconcile(machine: Machine, force: bool) -> None:
             undo.spec_written = True
             cdi.install(machine, spec)
             cdi.remove_shadow(machine)
-            _verify_end_state(machine, want)
+            _verify_end_state(machine, want, record)
         except BaseException:
             undo.rollback()
             raise
     if undo.old is not None:
         tree.remove_tree(undo.old)
     if undo.swapped:
+        record.swapped = True
         log.info(f"driver root {live} now holds driver {plan.version}")
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
@@ -160,14 +169,17 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def _verify_end_state(machine: Machine, want: Manifest) -> None:
+def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord) -> None:
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
     from .check import collect
 
     log.status("Verifying the live driver root, linker cache and CDI spec")
-    problems = collect(machine, want).problems
+    report = collect(machine, want)
+    problems = report.problems
+    if not problems:  # a failing run rolls back: this report would describe nothing live
+        record.report, record.checked_at = report, time.time()
     if problems:
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
