@@ -312,6 +312,7 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert settings["NotifyAccess"] == "main"
     assert settings["StartLimitIntervalSec"] == "0"
     assert settings["ExecStart"] == "/usr/bin/unbounded-nvidia-setup run"
+    assert settings["ExecReload"] == "/usr/bin/unbounded-nvidia-setup run --spec-only"
     assert "ProtectSystem" not in settings and "PrivateDevices" not in settings
     assert "DeviceAllow" not in settings and "ProtectClock" not in settings
 
@@ -401,6 +402,8 @@ def test_deb_control(deb: Path) -> None:
     assert verbs <= {"daemon-reload"}, verbs
     assert "deb-systemd-helper enable 'unbounded-nvidia-setup.service'" in scripts["postinst"]
     assert "deb-systemd-helper purge 'unbounded-nvidia-setup.service'" in scripts["postrm"]
+    assert "deb-systemd-helper enable 'unbounded-nvidia-setup-check.timer'" in scripts["postinst"]
+    assert "deb-systemd-helper purge 'unbounded-nvidia-setup-check.timer'" in scripts["postrm"]
     # Each daemon-reload is guarded: only where systemd runs (never in an offline rootfs).
     for name, text in scripts.items():
         for block in text.split("\nif ")[1:]:

@@ -44,13 +44,16 @@ def _machine(args: argparse.Namespace) -> Machine:
 
 def run(args: argparse.Namespace) -> int:
     from .metrics import RunRecord
-    from .reconcile import reconcile
+    from .reconcile import reconcile, refresh_spec
 
     record = RunRecord()
 
     def action() -> None:
         record.machine = _machine(args)
-        reconcile(record.machine, force=args.force, record=record)
+        if args.spec_only:
+            refresh_spec(record.machine, record=record)
+        else:
+            reconcile(record.machine, force=args.force, record=record)
 
     # The metrics say how the run ended, failures included: written here, where every
     # outcome has become its exit code, and unable to change it (metrics.write).
@@ -156,10 +159,16 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(action=action)
         return sub
 
-    command("run", run, "reconcile: rebuild the driver root and the CDI spec from the "
-            "staging mounts").add_argument(
+    run_parser = command("run", run, "reconcile: rebuild the driver root and the CDI spec "
+                         "from the staging mounts")
+    run_parser.add_argument(
         "--force", action="store_true",
         help="swap the driver root even while containerd or kubelet run")
+    run_parser.add_argument(
+        "--spec-only", action="store_true",
+        help="only regenerate and install the CDI spec for the live driver root (what "
+             "`systemctl reload` runs); fails, changing nothing, when the root no longer "
+             "matches the staging")
     check_parser = command("check", check, "validate the live state; change nothing; "
                            "exit 1 on problems")
     check_parser.add_argument(

@@ -162,6 +162,52 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
                f"spec {machine.cdi_spec}")
 
 
+RESTART_HINT = ("run `systemctl restart unbounded-nvidia-setup` instead (it stops kubelet and "
+                "containerd, rebuilds the root, then starts them again)")
+
+
+def refresh_spec(machine: Machine, *, record: RunRecord | None = None) -> None:
+    """`run --spec-only` (`systemctl reload`): regenerate, validate and install the CDI spec
+    against the live driver root, for a device change (MIG, a GPU added) with pods
+    running. The root is neither copied nor swapped, so a root that no longer matches
+    the staging mounts cannot be fixed here: that fails, changing nothing."""
+    with locked(machine):
+        _refresh_spec(machine, record or RunRecord())
+
+
+def _refresh_spec(machine: Machine, record: RunRecord) -> None:
+    live = machine.driver_root
+    if not discover.has_gpu(machine):
+        die("no NVIDIA GPU in this machine: there is no spec to refresh", hint=RESTART_HINT)
+    module = discover.module_version(machine)
+    dirs = discover.staging_dirs(machine)
+    if not dirs or not all(discover.is_populated(d) for d in dirs):
+        die(f"driver staging is not mounted at {machine.at(machine.config.staging_glob)}: "
+            f"cannot tell whether {live} is still right", hint=RESTART_HINT)
+    with cdi.Generator(machine) as generator:
+        log.status(f"Comparing {live} with the staging mounts")
+        plan = driver.resolve(machine, dirs, module)
+        want = plan.manifest()
+        difference = tree.describe_difference(want, tree.manifest(live))
+        if difference != "identical":
+            die(f"the driver root {live} no longer matches the driver staging ({difference}): "
+                "a spec-only refresh changed nothing", hint=RESTART_HINT)
+        log.status("Generating the CDI spec for the live driver root")
+        helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
+        spec = generator.spec(plan.version, helpers)
+        undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
+        try:
+            undo.spec_written = True
+            changed = cdi.install(machine, spec)
+            cdi.remove_shadow(machine)
+            _verify_end_state(machine, want, record)
+        except BaseException:
+            undo.rollback()
+            raise
+    log.status(f"Spec refreshed: driver {plan.version}, {machine.cdi_spec} "
+               + ("updated" if changed else "unchanged"))
+
+
 def _read_or_none(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
