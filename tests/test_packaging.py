@@ -357,6 +357,7 @@ def test_deb_contents(deb: Path) -> None:
         "/usr/share/doc/unbounded-nvidia-setup/copyright",
         "/usr/share/doc/unbounded-nvidia-setup/README.md",
         "/usr/share/doc/unbounded-nvidia-setup/packaging.md",
+        "/usr/share/doc/unbounded-nvidia-setup/alerts.yml",
         "/usr/share/man/man8/unbounded-nvidia-setup.8.gz",
     }
     assert expected <= files, sorted(expected - files)
