@@ -94,7 +94,7 @@ def test_alerts_on_what_a_real_tampered_machine_reports(tmp_path: Path, cli: Cli
     for p in json.loads(cli(m.root, "check", "--json").stdout)["problems"]:
         counts[p["code"]] = counts.get(p["code"], 0) + 1
     assert {"root-bad-mode", "ldconf-missing"} <= set(counts)
-    drift = []
+    drift: list[dict[str, object]] = []
     for code, n in sorted(counts.items()):
         labels = {"instance": "node", "code": code, "severity": "warning"}
         drift.append({"exp_labels": labels,
@@ -112,6 +112,6 @@ def test_alerts_on_a_real_failing_run(tmp_path: Path, cli: Cli) -> None:
     shutil.rmtree(m.root / "run/host-nvidia")
     assert cli(m.root, "run").code == 75
     labels = {"instance": "node", "severity": "critical"}
-    _run_promtool_test(tmp_path, _series_from(textfile / FILE), {"NvidiaSetupFailing": [
-        {"exp_labels": labels, "exp_annotations": _annotations("NvidiaSetupFailing", labels, 0)}
-    ]})
+    failing: list[dict[str, object]] = [
+        {"exp_labels": labels, "exp_annotations": _annotations("NvidiaSetupFailing", labels, 0)}]
+    _run_promtool_test(tmp_path, _series_from(textfile / FILE), {"NvidiaSetupFailing": failing})
