@@ -230,6 +230,24 @@ def test_a_failing_run_writes_its_exit_code(m: simgpu.SimMachine, cli: Cli,
     assert value(exporter.scrape(), "run_exit_code") == 1
 
 
+def test_a_run_rolled_back_at_its_end_state_keeps_the_last_check(
+        m: simgpu.SimMachine, cli: Cli, exporter: NodeExporter, tmp_path: Path) -> None:
+    """Its end-state report described a state the rollback undid: not a check result."""
+    from test_ldconfig import corrupting_ldconfig
+
+    assert cli(m.root, "run").code == 0
+    ran = exporter.scrape()
+    corrupting_ldconfig(m, tmp_path, m.version)
+    out = cli(m.root, "run")
+    assert out.code == 1 and "the live state is wrong after setup" in out.stderr
+    s = exporter.scrape()
+    assert value(s, "run_success") == 0 and value(s, "run_exit_code") == 1
+    assert value(s, "check_timestamp_seconds") == value(ran, "check_timestamp_seconds")
+    assert value(s, "check_ok") == 1
+    m.write_config()
+    assert cli(m.root, "run").code == 0  # repaired
+
+
 def test_no_gpu_run_says_so(tmp_path: Path, cli: Cli) -> None:
     m = simgpu.make_machine(tmp_path / "root", gpu=False)
     m.write_config()

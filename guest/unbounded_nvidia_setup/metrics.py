@@ -26,8 +26,7 @@ import os
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import log
 
@@ -60,28 +59,40 @@ PROBLEM_CODES = (
 )
 
 
-@dataclass
 class RunRecord:
-    """What a `run` did, filled in as it goes; written once, however the run ends."""
+    """What a `run` did, filled in as it goes; written once, however the run ends. A
+    plain class: @dataclass generates its methods with exec() at import, ~1 ms of the
+    boot path."""
 
-    started: float = field(default_factory=time.monotonic)
-    machine: Machine | None = None  # None until the config was read
-    swapped: bool = False
-    report: Report | None = None  # the end state the run proved (check's own report)
-    checked_at: float = 0.0
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.machine: Machine | None = None  # None until the config was read
+        self.swapped = False
+        self.report: Report | None = None  # the end state the run proved (check's report)
+        self.no_gpu = False  # proved without check: no GPU, and nothing of ours left
+        self.checked_at = 0.0
 
     def finish(self, exit_code: int) -> None:
         if self.machine is None:
             return
         now = time.time()
         run = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped))
-        check = None if self.report is None else list(_check_lines(self.report,
-                                                                   self.checked_at))
+        check = None
+        if self.report is not None:
+            check = _report_lines(self.report, self.checked_at)
+        elif self.no_gpu:
+            check = list(_check_lines(False, None, None, {}, [], self.checked_at))
         write(self.machine, run=run, check=check)
 
 
 def write_check(machine: Machine, report: Report, checked_at: float) -> None:
-    write(machine, run=None, check=list(_check_lines(report, checked_at)))
+    write(machine, run=None, check=_report_lines(report, checked_at))
+
+
+def _report_lines(report: Report, checked_at: float) -> list[str]:
+    return list(_check_lines(report.gpu, report.driver_version, report.module_version,
+                             report.sections.get("driver_root", {}),
+                             [p.code for p in report.problems], checked_at))
 
 
 def _family(name: str, kind: str, help_text: str) -> list[str]:
@@ -112,28 +123,28 @@ def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterato
     yield f"{PREFIX}run_swapped {int(swapped)}"
 
 
-def _check_lines(report: Report, checked_at: float) -> Iterator[str]:
-    root = report.sections.get("driver_root", {})
+def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
+                 root: dict[str, Any], codes: list[str], checked_at: float) -> Iterator[str]:
     yield from _family("driver_info", "gauge", "Driver version of the driver root and "
                        "version of the loaded kernel module (empty when unknown).")
-    yield (f'{PREFIX}driver_info{{driver_version="{_label(report.driver_version)}",'
-           f'module_version="{_label(report.module_version)}"}} 1')
+    yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
+           f'module_version="{_label(module_version)}"}} 1')
     yield from _family("gpu_present", "gauge", "1 when the machine has NVIDIA devices.")
-    yield f"{PREFIX}gpu_present {int(report.gpu)}"
+    yield f"{PREFIX}gpu_present {int(gpu)}"
     yield from _family("driver_root_files", "gauge", "Regular files in the driver root.")
     yield f"{PREFIX}driver_root_files {root.get('files', 0)}"
     yield from _family("driver_root_bytes", "gauge", "Bytes in the driver root's files.")
     yield f"{PREFIX}driver_root_bytes {root.get('bytes', 0)}"
     yield from _family("check_ok", "gauge", "1 when the last check found no problem.")
-    yield f"{PREFIX}check_ok {int(report.ok)}"
+    yield f"{PREFIX}check_ok {int(not codes)}"
     yield from _family("check_timestamp_seconds", "gauge",
                        "Unix time of the last check (a run's end-state check included).")
     yield f"{PREFIX}check_timestamp_seconds {_number(checked_at)}"
     yield from _family("check_problems", "gauge", "Problems of each code the last check "
                        "found (docs/problems.md).")
     counts = dict.fromkeys(PROBLEM_CODES, 0)
-    for problem in report.problems:
-        counts[problem.code] = counts.get(problem.code, 0) + 1
+    for code in codes:
+        counts[code] = counts.get(code, 0) + 1
     for code, count in counts.items():
         yield f'{PREFIX}check_problems{{code="{_label(code)}"}} {count}'
 

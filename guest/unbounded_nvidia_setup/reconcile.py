@@ -115,10 +115,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             die(f"cannot remove stale driver state {e.filename}: {e.strerror}",
                 hint="remove it by hand")
         # The end state is known without checking: no GPU, and nothing of ours left.
-        from .check import Report
-
-        record.report = Report(gpu=False, driver_version=None, module_version=None)
-        record.checked_at = time.time()
+        record.no_gpu, record.checked_at = True, time.time()
         log.status("No NVIDIA GPU in this machine: nothing to set up"
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
