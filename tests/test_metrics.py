@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from invariants import product_argv, product_env
 from unbounded_nvidia_setup.metrics import FILE, PROBLEM_CODES
 
 import simgpu
@@ -246,6 +248,43 @@ def test_a_run_rolled_back_at_its_end_state_keeps_the_last_check(
     assert value(s, "check_ok") == 1
     m.write_config()
     assert cli(m.root, "run").code == 0  # repaired
+
+
+def _metrics_fsync(m: simgpu.SimMachine) -> int:
+    """N such that the main thread's N-th fsync is the one of the metrics temp file."""
+    trace = m.root.parent / "fsync.trace"
+    proc = subprocess.run(["strace", "-f", "-y", "-qq", "-o", str(trace), "-e", "trace=fsync",
+                           *product_argv(m.root, "run")], capture_output=True, text=True,
+                          env=product_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in trace.read_text().splitlines() if "fsync(" in ln]
+    writer = next(ln.split()[0] for ln in lines if f"/.{FILE}.tmp>" in ln)
+    ours = [ln for ln in lines if ln.split()[0] == writer]  # strace counts per thread
+    hits = [n for n, ln in enumerate(ours, 1) if f"/.{FILE}.tmp>" in ln]
+    assert len(hits) == 1, ours
+    return hits[0]
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_a_run_killed_while_writing_leaves_the_previous_file(
+        m: simgpu.SimMachine, cli: Cli, exporter: NodeExporter) -> None:
+    """SIGKILL between writing the temp file and renaming it: node_exporter keeps serving
+    the previous file whole, and the next writer clears the temp file away."""
+    assert cli(m.root, "run").code == 0
+    n = _metrics_fsync(m)
+    path = exporter.directory / FILE
+    previous = path.read_bytes()
+    proc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
+                           "-e", f"inject=fsync:signal=KILL:when={n}",
+                           *product_argv(m.root, "run")], capture_output=True, text=True,
+                          env=product_env(), timeout=120)
+    assert proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), proc.stderr
+    assert path.read_bytes() == previous
+    assert (exporter.directory / f".{FILE}.tmp").exists()  # killed where we meant
+    assert value(exporter.scrape(), "run_success") == 1
+    assert cli(m.root, "check", "--metrics").code == 0
+    assert sorted(p.name for p in exporter.directory.iterdir()) == [FILE]
+    promtool_check(path)
 
 
 def test_no_gpu_run_says_so(tmp_path: Path, cli: Cli) -> None:
