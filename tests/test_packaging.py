@@ -41,6 +41,10 @@ DROPIN_UNITS = ("containerd.service", "kubelet.service", "nvidia-cdi-refresh.ser
 UNIT_DIR = "usr/lib/systemd/system"
 SCHEMA = f"usr/share/{PACKAGE}/check.schema.json"  # issue 11: the `check --json` contract
 WANTS_LINK = f"etc/systemd/system/multi-user.target.wants/{SETUP_UNIT}"
+CHECK_SERVICE = f"{PACKAGE}-check.service"
+CHECK_TIMER = f"{PACKAGE}-check.timer"
+CHECK_UNITS = (CHECK_SERVICE, CHECK_TIMER)
+TIMER_LINK = f"etc/systemd/system/timers.target.wants/{CHECK_TIMER}"
 CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": CLEAN_PATH, "LC_ALL": "C.UTF-8", "DEBIAN_FRONTEND": "noninteractive"}
 # Options systemd learnt after 252 (Debian bookworm): an older host's systemd-analyze
@@ -210,6 +214,14 @@ def assert_installed_offline(root: Path) -> None:
     link = root / WANTS_LINK
     assert link.is_symlink(), "unit not enabled (no multi-user.target.wants link)"
     assert os.readlink(link) in (f"/{UNIT_DIR}/{SETUP_UNIT}", f"/lib/systemd/system/{SETUP_UNIT}")
+    for name in CHECK_UNITS:
+        assert (root / UNIT_DIR / name).read_bytes() == (UNITS / name).read_bytes(), name
+    timer = root / TIMER_LINK
+    assert timer.is_symlink(), "drift-check timer not enabled (no timers.target.wants link)"
+    assert os.readlink(timer) in (f"/{UNIT_DIR}/{CHECK_TIMER}",
+                                  f"/lib/systemd/system/{CHECK_TIMER}")
+    # The check service runs from its timer only: nothing else wants it.
+    assert not list((root / "etc/systemd/system").rglob(CHECK_SERVICE))
     # Offline: no running systemd in the rootfs, so the maintainer scripts started
     # nothing, and the tool itself did not run (it would have left its state).
     assert not (root / "run/systemd/system").exists()
@@ -223,7 +235,9 @@ def assert_installed_offline(root: Path) -> None:
 def assert_purged(root: Path) -> None:
     assert dpkg_status(root) in ("not-installed", "unknown ok not-installed")
     assert not (root / WANTS_LINK).is_symlink(), "enable link left after purge"
+    assert not (root / TIMER_LINK).is_symlink(), "timer's enable link left after purge"
     assert not (root / UNIT_DIR / SETUP_UNIT).exists()
+    assert not any((root / UNIT_DIR / name).exists() for name in CHECK_UNITS)
     for name in DROPIN_UNITS:
         assert not (root / UNIT_DIR / f"{name}.d").exists(), f"{name}.d left after purge"
     assert not (root / "usr/bin/unbounded-nvidia-setup").exists()
@@ -282,7 +296,7 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     """systemd 257 (the machines' systemd) verifies the installed units with no message at
     all, drop-ins included."""
     sh("dpkg", f"--root={trixie}", "-i", deb)
-    units = [SETUP_UNIT, "containerd.service", "kubelet.service",
+    units = [SETUP_UNIT, *CHECK_UNITS, "containerd.service", "kubelet.service",
              "nvidia-cdi-refresh.service", "nvidia-cdi-refresh.path"]
     res = in_root(trixie, "systemd-analyze", "verify", "--man=no", *units, check=False)
     assert res.returncode == 0 and not (res.stdout + res.stderr).strip(), (
@@ -301,8 +315,33 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert settings["NotifyAccess"] == "main"
     assert settings["StartLimitIntervalSec"] == "0"
     assert settings["ExecStart"] == "/usr/bin/unbounded-nvidia-setup run"
+    assert settings["ExecReload"] == "/usr/bin/unbounded-nvidia-setup run --spec-only"
     assert "ProtectSystem" not in settings and "PrivateDevices" not in settings
     assert "DeviceAllow" not in settings and "ProtectClock" not in settings
+
+    # The drift check: read-only, never retried, on no boot path.
+    check = dict(re.findall(r"^(\w+)=(.*)$", (trixie / UNIT_DIR / CHECK_SERVICE).read_text(),
+                            re.M))
+    assert check["Type"] == "oneshot"
+    assert check["ExecStart"] == "/usr/bin/unbounded-nvidia-setup check --metrics"
+    assert check["ProtectSystem"] == "strict"
+    assert set(check["ReadWritePaths"].split()) == {"-/var/lib/prometheus/node-exporter",
+                                                    "/run/lock"}
+    assert "Restart" not in check and "WantedBy" not in check and "Before" not in check
+    assert check["After"] == SETUP_UNIT
+    timer = dict(re.findall(r"^(\w+)=(.*)$", (trixie / UNIT_DIR / CHECK_TIMER).read_text(),
+                            re.M))
+    assert (timer["OnBootSec"], timer["OnUnitActiveSec"]) == ("5min", "5min")
+    assert timer["RandomizedDelaySec"] and timer["WantedBy"] == "timers.target"
+
+    # Exposure as systemd 257 scores it (docs/packaging.md states both figures).
+    def exposure(unit: str) -> float:
+        out = in_root(trixie, "systemd-analyze", "security", "--offline=true", "--no-pager",
+                      unit, check=False).stdout
+        return float(re.findall(r"Overall exposure level for \S+: ([\d.]+)", out)[0])
+
+    assert exposure(SETUP_UNIT) <= 4.6
+    assert exposure(CHECK_SERVICE) <= 1.9
 
 
 # -- the package --------------------------------------------------------------------------
@@ -321,6 +360,7 @@ def test_deb_contents(deb: Path) -> None:
         "/usr/share/doc/unbounded-nvidia-setup/copyright",
         "/usr/share/doc/unbounded-nvidia-setup/README.md",
         "/usr/share/doc/unbounded-nvidia-setup/packaging.md",
+        "/usr/share/doc/unbounded-nvidia-setup/alerts.yml",
         "/usr/share/man/man8/unbounded-nvidia-setup.8.gz",
         f"/{SCHEMA}",
     }
@@ -331,7 +371,7 @@ def test_deb_contents(deb: Path) -> None:
     extracted = Path(sh("mktemp", "-d").stdout.strip())
     try:
         sh("dpkg-deb", "-x", deb, extracted)
-        for rel in [SETUP_UNIT, *(f"{n}.d/{DROPIN}" for n in DROPIN_UNITS)]:
+        for rel in [SETUP_UNIT, *CHECK_UNITS, *(f"{n}.d/{DROPIN}" for n in DROPIN_UNITS)]:
             shipped = (extracted / UNIT_DIR / rel).read_bytes()
             assert shipped == (UNITS / rel).read_bytes(), f"{rel} differs from units/"
         assert (extracted / SCHEMA).read_bytes() == check_schema.SCHEMA_FILE.read_bytes()
@@ -368,6 +408,8 @@ def test_deb_control(deb: Path) -> None:
     assert verbs <= {"daemon-reload"}, verbs
     assert "deb-systemd-helper enable 'unbounded-nvidia-setup.service'" in scripts["postinst"]
     assert "deb-systemd-helper purge 'unbounded-nvidia-setup.service'" in scripts["postrm"]
+    assert "deb-systemd-helper enable 'unbounded-nvidia-setup-check.timer'" in scripts["postinst"]
+    assert "deb-systemd-helper purge 'unbounded-nvidia-setup-check.timer'" in scripts["postrm"]
     # Each daemon-reload is guarded: only where systemd runs (never in an offline rootfs).
     for name, text in scripts.items():
         for block in text.split("\nif ")[1:]:

@@ -120,6 +120,7 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
                                        "directory", str(live)))
         return None
     versions = root_version(live, machine.libdir)
+    sizes = [v[1] for v in have.values() if len(v) == 4]
     version = report.module_version or (min(versions) if len(versions) == 1 else None)
     section.update(
         version=version,
@@ -129,6 +130,8 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
                        if k.startswith("usr/bin/") and v[0] == "f"),
         firmware=sorted(k for k, v in have.items() if k.startswith("lib/firmware/")
                         and v[0] == "f"),
+        files=len(sizes),
+        bytes=sum(sizes),
     )
     report.problems += root_problems(live, machine.libdir, version,
                                      machine.config.extra_library_prefixes)

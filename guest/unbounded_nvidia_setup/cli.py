@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -42,9 +43,29 @@ def _machine(args: argparse.Namespace) -> Machine:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .reconcile import reconcile
+    from .metrics import RunRecord
+    from .reconcile import reconcile, refresh_spec
 
-    _guarded(lambda: reconcile(_machine(args), force=args.force))
+    record = RunRecord()
+
+    def action() -> None:
+        record.machine = _machine(args)
+        if args.spec_only:
+            refresh_spec(record.machine, record=record)
+        else:
+            reconcile(record.machine, force=args.force, record=record)
+
+    # The metrics say how the run ended, failures included: written here, where every
+    # outcome has become its exit code, and unable to change it (metrics.write).
+    code = 1  # an unexpected exception: Python exits 1 with its traceback
+    try:
+        _guarded(action)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    finally:
+        record.finish(code)
     return 0
 
 
@@ -60,6 +81,10 @@ def check(args: argparse.Namespace) -> int:
             report = collect(machine)
         report.setup_running = busy
         report.unit = unit_state(machine)
+        if args.metrics:
+            from .metrics import write_check
+
+            write_check(machine, report, time.time())
         if args.as_json:
             import json
 
@@ -139,13 +164,23 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(action=action)
         return sub
 
-    command("run", run, "reconcile: rebuild the driver root and the CDI spec from the "
-            "staging mounts").add_argument(
+    run_parser = command("run", run, "reconcile: rebuild the driver root and the CDI spec "
+                         "from the staging mounts")
+    run_parser.add_argument(
         "--force", action="store_true",
         help="swap the driver root even while containerd or kubelet run")
-    command("check", check, "validate the live state; change nothing; exit 1 on "
-            "problems").add_argument(
+    run_parser.add_argument(
+        "--spec-only", action="store_true",
+        help="only regenerate and install the CDI spec for the live driver root (what "
+             "`systemctl reload` runs); fails, changing nothing, when the root no longer "
+             "matches the staging")
+    check_parser = command("check", check, "validate the live state; change nothing; "
+                           "exit 1 on problems")
+    check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print one JSON object")
+    check_parser.add_argument(
+        "--metrics", action="store_true",
+        help="also write the result to unbounded_nvidia_setup.prom in metrics_dir")
     command("status", status, "summarize GPU, driver root, spec and problems")
     command("clean", clean, "remove the driver root, the CDI spec and the ld.so.conf "
             "drop-in").add_argument(

@@ -33,6 +33,8 @@ class Config:
     staging_wait_seconds: float = 60.0
     lock_timeout_seconds: float = 300.0
     extra_library_prefixes: tuple[str, ...] = ()
+    # node_exporter's textfile directory (Debian's prometheus-node-exporter); "" = off.
+    metrics_dir: str = "/var/lib/prometheus/node-exporter"
 
 
 _ABSOLUTE_KEYS = ("driver_root", "staging_glob", "cdi_spec")
@@ -64,6 +66,10 @@ def parse_config(data: object, path: Path) -> Config:
             if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
                 _bad(path, key, "must be a list of non-empty strings")
             values[key] = tuple(value)
+        elif key == "metrics_dir":
+            if not isinstance(value, str) or (value and not value.startswith("/")):
+                _bad(path, key, "must be an absolute path, or '' to turn metrics off")
+            values[key] = value
         else:
             if not isinstance(value, str) or not value:
                 _bad(path, key, "must be a non-empty string")
@@ -184,6 +190,11 @@ class Machine:
     @property
     def work_dir(self) -> Path:
         return self.at(WORK_DIR)
+
+    @property
+    def metrics_dir(self) -> Path | None:
+        """node_exporter's textfile directory, or None when metrics are off."""
+        return self.at(self.config.metrics_dir) if self.config.metrics_dir else None
 
     @property
     def plugin_spec(self) -> Path:

@@ -10,6 +10,7 @@ from . import cdi, discover, driver, ldconf, log, tree
 from .config import Machine
 from .lock import locked
 from .log import EXIT_TEMPFAIL, Failure, die
+from .metrics import RunRecord
 from .plan import Manifest, Plan
 from .run import find_program
 from .verify import root_problems
@@ -98,12 +99,14 @@ def clean(machine: Machine, *, force: bool = False) -> None:
     log.status(f"Removed {len(removed)} items" if removed else "Nothing to remove")
 
 
-def reconcile(machine: Machine, *, force: bool = False) -> None:
+def reconcile(machine: Machine, *, force: bool = False,
+              record: RunRecord | None = None) -> None:
+    """`record`, when given, learns what the run did (metrics.RunRecord)."""
     with locked(machine):
-        _reconcile(machine, force)
+        _reconcile(machine, force, record or RunRecord())
 
 
-def _reconcile(machine: Machine, force: bool) -> None:
+def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     log.status("Looking for NVIDIA devices")
     if not discover.has_gpu(machine):
         try:
@@ -111,6 +114,8 @@ def _reconcile(machine: Machine, force: bool) -> None:
         except OSError as e:
             die(f"cannot remove stale driver state {e.filename}: {e.strerror}",
                 hint="remove it by hand")
+        # The end state is known without checking: no GPU, and nothing of ours left.
+        record.no_gpu, record.checked_at = True, time.time()
         log.status("No NVIDIA GPU in this machine: nothing to set up"
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
@@ -141,16 +146,63 @@ def _reconcile(machine: Machine, force: bool) -> None:
             undo.spec_written = True
             cdi.install(machine, spec)
             cdi.remove_shadow(machine)
-            _verify_end_state(machine, want)
+            _verify_end_state(machine, want, record)
         except BaseException:
             undo.rollback()
             raise
     if undo.old is not None:
         tree.remove_tree(undo.old)
     if undo.swapped:
+        record.swapped = True
         log.info(f"driver root {live} now holds driver {plan.version}")
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
+
+
+RESTART_HINT = ("run `systemctl restart unbounded-nvidia-setup` instead (it stops kubelet and "
+                "containerd, rebuilds the root, then starts them again)")
+
+
+def refresh_spec(machine: Machine, *, record: RunRecord | None = None) -> None:
+    """`run --spec-only` (`systemctl reload`): regenerate, validate and install the CDI spec
+    against the live driver root, for a device change (MIG, a GPU added) with pods
+    running. The root is neither copied nor swapped, so a root that no longer matches
+    the staging mounts cannot be fixed here: that fails, changing nothing."""
+    with locked(machine):
+        _refresh_spec(machine, record or RunRecord())
+
+
+def _refresh_spec(machine: Machine, record: RunRecord) -> None:
+    live = machine.driver_root
+    if not discover.has_gpu(machine):
+        die("no NVIDIA GPU in this machine: there is no spec to refresh", hint=RESTART_HINT)
+    module = discover.module_version(machine)
+    dirs = discover.staging_dirs(machine)
+    if not dirs or not all(discover.is_populated(d) for d in dirs):
+        die(f"driver staging is not mounted at {machine.at(machine.config.staging_glob)}: "
+            f"cannot tell whether {live} is still right", hint=RESTART_HINT)
+    with cdi.Generator(machine) as generator:
+        log.status(f"Comparing {live} with the staging mounts")
+        plan = driver.resolve(machine, dirs, module)
+        want = plan.manifest()
+        difference = tree.describe_difference(want, tree.manifest(live))
+        if difference != "identical":
+            die(f"the driver root {live} no longer matches the driver staging ({difference}): "
+                "a spec-only refresh changed nothing", hint=RESTART_HINT)
+        log.status("Generating the CDI spec for the live driver root")
+        helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
+        spec = generator.spec(plan.version, helpers)
+        undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
+        try:
+            undo.spec_written = True
+            changed = cdi.install(machine, spec)
+            cdi.remove_shadow(machine)
+            _verify_end_state(machine, want, record)
+        except BaseException:
+            undo.rollback()
+            raise
+    log.status(f"Spec refreshed: driver {plan.version}, {machine.cdi_spec} "
+               + ("updated" if changed else "unchanged"))
 
 
 def _read_or_none(path: Path) -> bytes | None:
@@ -160,14 +212,17 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def _verify_end_state(machine: Machine, want: Manifest) -> None:
+def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord) -> None:
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
     from .check import collect
 
     log.status("Verifying the live driver root, linker cache and CDI spec")
-    problems = collect(machine, want).problems
+    report = collect(machine, want)
+    problems = report.problems
+    if not problems:  # a failing run rolls back: this report would describe nothing live
+        record.report, record.checked_at = report, time.time()
     if problems:
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

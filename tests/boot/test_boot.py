@@ -298,3 +298,92 @@ def test_upgrade_in_place(make_node: NodeFactory, upgrade_deb: Path) -> None:
         assert m.prop(SETUP, "NeedDaemonReload") == "no"
         report = check_json(m)
         assert report["ok"] is True, report
+
+
+CHECK = "unbounded-nvidia-setup-check.service"
+CHECK_TIMER = "unbounded-nvidia-setup-check.timer"
+METRICS = "/var/lib/prometheus/node-exporter/unbounded_nvidia_setup.prom"
+
+
+def metric_lines(m: Machine) -> set[str]:
+    return {ln for ln in m.read_text(METRICS).splitlines() if not ln.startswith("#")}
+
+
+def test_metrics_and_drift_check(make_node: NodeFactory) -> None:
+    """After a GPU boot the metrics file says success and the drift-check timer is
+    active; the hardened check unit runs inside the machine; a tampered root turns it
+    failed, its status and metric name the problem code."""
+    node = make_node()
+    (node.rootfs / METRICS.lstrip("/")).parent.mkdir(parents=True)  # node_exporter's dir
+    with node.machine() as m:
+        assert_gpu_node_ready(m, node)
+        lines = metric_lines(m)
+        assert "unbounded_nvidia_setup_run_success 1" in lines, lines
+        assert "unbounded_nvidia_setup_run_exit_code 0" in lines
+        assert "unbounded_nvidia_setup_check_ok 1" in lines
+        assert (f'unbounded_nvidia_setup_driver_info{{driver_version="{node.sim.version}",'
+                f'module_version="{node.sim.version}"}} 1') in lines
+        assert m.is_active(CHECK_TIMER), m.states(CHECK_TIMER)
+        assert m.prop(CHECK_TIMER, "UnitFileState") == "enabled"
+        assert m.active_state(CHECK) == "inactive"  # not on the boot path
+
+        # A clean node: the hardened check runs and succeeds (read-only but the metrics).
+        assert m.systemctl("start", CHECK).returncode == 0
+        s = m.show(CHECK, "Result", "ExecMainStatus", "ActiveState")
+        assert (s["Result"], s["ExecMainStatus"], s["ActiveState"]) == ("success", "0",
+                                                                         "inactive"), s
+        before = {u: m.prop(u, "MainPID") for u in NODE_UNITS}
+
+        m.exec("chmod", "0666", f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.{node.sim.version}")
+        assert m.systemctl("start", CHECK).returncode != 0
+        s = m.show(CHECK, "Result", "ExecMainStatus", "ActiveState")
+        assert (s["ActiveState"], s["Result"], s["ExecMainStatus"]) == ("failed",
+                                                                        "exit-code", "1"), s
+        failed = m.systemctl("list-units", "--failed", "--plain", "--no-legend").stdout
+        assert CHECK in failed, failed
+        status = m.systemctl("status", CHECK).stdout
+        assert "root-bad-mode:" in status, status
+        lines = metric_lines(m)
+        assert 'unbounded_nvidia_setup_check_problems{code="root-bad-mode"} 1' in lines
+        assert "unbounded_nvidia_setup_check_ok 0" in lines
+        assert "unbounded_nvidia_setup_run_success 1" in lines  # the run's, carried over
+        # The check changed nothing and touched neither the setup nor its dependents.
+        mode = m.exec("stat", "--format=%a",
+                      f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.{node.sim.version}").stdout.strip()
+        assert mode == "666"
+        assert {u: m.prop(u, "MainPID") for u in NODE_UNITS} == before
+        assert m.is_active(SETUP)
+
+
+def test_reload_refreshes_the_spec_only(make_node: NodeFactory) -> None:
+    """`systemctl reload`: a device node added to the running machine reaches the spec
+    while containerd and kubelet keep running; a driver change in the staging makes the
+    reload fail, change nothing and leave the unit active."""
+    node = make_node()
+    with node.machine() as m:
+        assert_gpu_node_ready(m, node)
+        pids = {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)}
+        assert "/dev/nvidia2" not in m.read_text(SPEC)
+        m.exec("mknod", "-m", "0666", "/dev/nvidia2", "c", "195", "2")
+
+        res = m.systemctl("reload", SETUP)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "/dev/nvidia2" in m.read_text(SPEC)
+        assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
+        assert m.is_active(SETUP) and check_json(m)["ok"] is True
+
+        def root_listing() -> str:
+            return m.exec("find", DRIVER_ROOT, "-printf", "%p %y %s %T@ %m %l\n").stdout
+
+        root, spec = root_listing(), m.read_text(SPEC)
+        ptx = node.sim.lib_dir / f"libnvidia-ptxjitcompiler.so.{node.sim.version}"
+        ptx.unlink()  # the host's driver changed under the running machine
+        res = m.systemctl("reload", SETUP)
+        assert res.returncode != 0
+        errors = m.journal("--priority=err", "--output=cat", unit=SETUP)
+        assert "systemctl restart unbounded-nvidia-setup" in errors, errors
+        assert "kubelet and containerd" in errors, errors
+        assert root_listing() == root and m.read_text(SPEC) == spec
+        s = m.show(SETUP, "ActiveState", "SubState")
+        assert (s["ActiveState"], s["SubState"]) == ("active", "exited"), s
+        assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids

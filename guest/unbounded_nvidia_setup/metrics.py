@@ -1,0 +1,241 @@
+"""Metrics for node_exporter's textfile collector: `unbounded_nvidia_setup.prom`.
+
+Rendered by hand: prometheus_client costs ~65 ms to import, on every boot of every GPU
+node, for a few lines of text (it is the tests' parsing oracle instead). Only `os`,
+`stat` and `time` here: nothing this module does may cost the boot path measurably.
+
+One file, two writers: a `run` writes everything; `check --metrics` writes the state and
+check families and carries the last run's families over from the file it replaces. A
+run that failed before it could prove its end state carries the last check's over.
+Writers serialize on a flock of the directory, so a carry-over never loses a newer run.
+
+The directory belongs to node_exporter's package and may be writable by others, so
+nothing in it is trusted: the directory is opened without following a symlink, every
+name is used relative to that descriptor, our file is never opened for writing (a FIFO
+or a symlink by its name is replaced by the rename, never written through), and the
+file read for the carry-over is read only when it is a regular file. Writing metrics
+never changes how a command ends: a failure is one warning line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import log
+
+if TYPE_CHECKING:
+    from .check import Report
+    from .config import Machine
+
+FILE = "unbounded_nvidia_setup.prom"
+_TMP = f".{FILE}.tmp"  # not *.prom: node_exporter never reads a half-written file
+PREFIX = "unbounded_nvidia_setup_"
+_RUN_PREFIX = f"{PREFIX}run_"
+_LOCK_WAIT = 2.0  # seconds; another writer holds the flock only for a few syscalls
+_CARRY_MAX = 1 << 16
+
+# Every problem code `check` can report (docs/problems.md; tests keep the three in step).
+# Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
+PROBLEM_CODES = (
+    "stale-state", "staging-missing", "staging-invalid",
+    "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
+    "root-missing-library", "root-library-not-regular", "root-missing-link",
+    "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
+    "root-foreign-file", "root-bad-owner", "root-bad-mode", "root-mixed-versions",
+    "root-version-mismatch",
+    "ldconf-missing", "ldcache-stale", "legacy-link",
+    "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
+    "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
+    "spec-missing-library", "spec-missing-helper", "spec-shadowed",
+    "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
+    "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
+)
+
+
+class RunRecord:
+    """What a `run` did, filled in as it goes; written once, however the run ends. A
+    plain class: @dataclass generates its methods with exec() at import, ~1 ms of the
+    boot path."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.machine: Machine | None = None  # None until the config was read
+        self.swapped = False
+        self.report: Report | None = None  # the end state the run proved (check's report)
+        self.no_gpu = False  # proved without check: no GPU, and nothing of ours left
+        self.checked_at = 0.0
+
+    def finish(self, exit_code: int) -> None:
+        if self.machine is None:
+            return
+        now = time.time()
+        run = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped))
+        check = None
+        if self.report is not None:
+            check = _report_lines(self.report, self.checked_at)
+        elif self.no_gpu:
+            check = list(_check_lines(False, None, None, {}, [], self.checked_at))
+        write(self.machine, run=run, check=check)
+
+
+def write_check(machine: Machine, report: Report, checked_at: float) -> None:
+    write(machine, run=None, check=_report_lines(report, checked_at))
+
+
+def _report_lines(report: Report, checked_at: float) -> list[str]:
+    return list(_check_lines(report.gpu, report.driver_version, report.module_version,
+                             report.sections.get("driver_root", {}),
+                             [p.code for p in report.problems], checked_at))
+
+
+def _family(name: str, kind: str, help_text: str) -> list[str]:
+    return [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(round(value, 6))
+
+
+def _label(value: str | None) -> str:
+    text = value or ""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterator[str]:
+    yield from _family("run_success", "gauge", "1 when the last run succeeded, else 0.")
+    yield f"{PREFIX}run_success {int(code == 0)}"
+    yield from _family("run_exit_code", "gauge", "Exit status of the last run.")
+    yield f"{PREFIX}run_exit_code {code}"
+    yield from _family("run_timestamp_seconds", "gauge",
+                       "Unix time at which the last run ended.")
+    yield f"{PREFIX}run_timestamp_seconds {_number(now)}"
+    yield from _family("run_duration_seconds", "gauge", "How long the last run took.")
+    yield f"{PREFIX}run_duration_seconds {_number(duration)}"
+    yield from _family("run_swapped", "gauge",
+                       "1 when the last run swapped in a new driver root generation.")
+    yield f"{PREFIX}run_swapped {int(swapped)}"
+
+
+def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
+                 root: dict[str, Any], codes: list[str], checked_at: float) -> Iterator[str]:
+    yield from _family("driver_info", "gauge", "Driver version of the driver root and "
+                       "version of the loaded kernel module (empty when unknown).")
+    yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
+           f'module_version="{_label(module_version)}"}} 1')
+    yield from _family("gpu_present", "gauge", "1 when the machine has NVIDIA devices.")
+    yield f"{PREFIX}gpu_present {int(gpu)}"
+    yield from _family("driver_root_files", "gauge", "Regular files in the driver root.")
+    yield f"{PREFIX}driver_root_files {root.get('files', 0)}"
+    yield from _family("driver_root_bytes", "gauge", "Bytes in the driver root's files.")
+    yield f"{PREFIX}driver_root_bytes {root.get('bytes', 0)}"
+    yield from _family("check_ok", "gauge", "1 when the last check found no problem.")
+    yield f"{PREFIX}check_ok {int(not codes)}"
+    yield from _family("check_timestamp_seconds", "gauge",
+                       "Unix time of the last check (a run's end-state check included).")
+    yield f"{PREFIX}check_timestamp_seconds {_number(checked_at)}"
+    yield from _family("check_problems", "gauge", "Problems of each code the last check "
+                       "found (docs/problems.md).")
+    counts = dict.fromkeys(PROBLEM_CODES, 0)
+    for code in codes:
+        counts[code] = counts.get(code, 0) + 1
+    for code, count in counts.items():
+        yield f'{PREFIX}check_problems{{code="{_label(code)}"}} {count}'
+
+
+def _carried(text: str, run: bool) -> list[str]:
+    """The lines of the previous file's run families (`run`) or other families."""
+    kept = []
+    for line in text.splitlines():
+        parts = line.split()
+        name = parts[2] if line.startswith("# ") and len(parts) > 2 else line.split("{")[0]
+        if name.startswith(PREFIX) and name.startswith(_RUN_PREFIX) == run:
+            kept.append(line)
+    return kept
+
+
+def write(machine: Machine, *, run: list[str] | None, check: list[str] | None) -> None:
+    """Replace the file with `run` and `check` lines, keeping the previous file's lines
+    for whichever is None. Never raises: metrics must not change a command's outcome."""
+    directory = machine.metrics_dir
+    if directory is None:
+        return
+    try:
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # no node_exporter here: no file, no message
+    except OSError as e:
+        why = "it is a symlink" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+        log.warn(f"metrics not written: cannot open {directory} ({why}); "
+                 "set metrics_dir to a real directory, or to '' to turn metrics off")
+        return
+    try:
+        _write_in(dirfd, run, check)
+    except OSError as e:
+        log.warn(f"metrics not written to {directory}/{FILE}: {e.strerror}; "
+                 "node_exporter keeps the previous values")
+    finally:
+        os.close(dirfd)
+
+
+def _write_in(dirfd: int, run: list[str] | None, check: list[str] | None) -> None:
+    _lock(dirfd)
+    if run is None or check is None:
+        previous = _read_previous(dirfd)
+        run = _carried(previous, run=True) if run is None else run
+        check = _carried(previous, run=False) if check is None else check
+    data = "".join(f"{line}\n" for line in run + check).encode()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_TMP, dir_fd=dirfd)  # a writer killed mid-way; we hold the flock
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(_TMP, flags, 0o644, dir_fd=dirfd)
+    try:
+        try:
+            os.fchmod(fd, 0o644)  # whatever the umask: node_exporter runs as its own user
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(_TMP, FILE, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except BaseException:
+        os.unlink(_TMP, dir_fd=dirfd)
+        raise
+    os.fsync(dirfd)
+
+
+def _lock(dirfd: int) -> None:
+    """flock the directory; bounded: a stranger holding it must not hang a boot."""
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(errno.EWOULDBLOCK, "another process holds the directory's "
+                              f"lock for more than {_LOCK_WAIT:g} s") from None
+            time.sleep(0.05)
+
+
+def _read_previous(dirfd: int) -> str:
+    """The current file's text; empty unless it is a regular file (O_NONBLOCK: opening a
+    FIFO by that name must not wait for a writer)."""
+    try:
+        fd = os.open(FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, _CARRY_MAX).decode(errors="replace")
+    finally:
+        os.close(fd)
