@@ -10,6 +10,7 @@ next run must succeed. The security invariants are checked after every test."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import signal
@@ -21,19 +22,23 @@ from pathlib import Path
 import pytest
 
 from invariants import (
-    product_argv,
     product_env,
     run_cli,
     secure_after,  # noqa: F401  (fixture)
 )
 from test_crash import (
+    NOT_MADE,
+    Point,
     Swapper,
     assert_whole,
     kill_points,
+    points_or_fail,
     recovered,
+    run_injected,
     swapper,
     wait_for_orphans,
 )
+from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
 from conftest import needs_root
@@ -254,9 +259,55 @@ ERRNO = {
 }
 ERROR_CASES = [(scenario, syscall) for scenario in ("first-boot", "new-driver")
                for syscall in ERRNO
-               if scenario == "new-driver" or syscall in ("mkdir", "openat", "rename", "unlink",
-                                                           "unlinkat", "rmdir", "fsync",
-                                                           "write")]
+               if (scenario, syscall) not in NOT_MADE
+               and (scenario == "new-driver" or syscall in ("mkdir", "openat", "rename",
+                                                            "unlink", "unlinkat", "rmdir",
+                                                            "fsync", "write"))]
+# Where an injected error may end in exit 0, by (syscall, glob of the path the failed
+# call acted on, as test_crash.where names it), and why the run is right to go on. An
+# exit 0 after any other injected error fails the test: either the product swallowed an
+# error it must not, or this table lacks a reason.
+HARMLESS: dict[tuple[str, str], str] = {
+    ("write", "pipe:*"): "a log line that cannot be written is dropped and the run goes on "
+                         "(log.log); the outcome also reaches systemd as STATUS=",
+    **dict.fromkeys(
+        [("mkdir", "/run/lock"), ("mkdir", "/etc/cdi"), ("mkdir", "/etc/ld.so.conf.d")],
+        "the directory exists already: mkdir(exist_ok=True) takes a failure on an "
+        "existing directory as done, and it is"),
+    ("unlink", "/run/unbounded-nvidia-setup"):
+        "clearing the work dir before nvidia-ctk runs, where there is none: the mkdir "
+        "that follows would fail on anything left",
+    **dict.fromkeys(
+        [("unlinkat", "/run/unbounded-nvidia-setup/*"), ("rmdir", "/run/unbounded-nvidia-setup"),
+         ("unlinkat", "/run/nvidia/.driver.*"), ("rmdir", "/run/nvidia/.driver.*")],
+        "deleting the private work dir or the old generation after the swap: nothing "
+        "reads them, the run warns, and the next run removes them (tree.remove_leftovers, "
+        "cdi.Generator; recovered() checks)"),
+}
+# Failed runs that do not leave the live state as it was before them, by (syscall, glob
+# of the failed call's path). A product bug each, listed so the suite stays green while
+# it is open: the test fails once a gap is closed, so the entry goes with the fix.
+ROLLBACK_GAPS: dict[tuple[str, str], str] = {
+    ("fsync", "/etc/cdi"): "the spec's directory fsync fails after its rename: "
+                           "cdi.install raises, Undo.spec_written stays False, the new spec "
+                           "stays live beside the old root (or no root on a first boot)",
+    ("fsync", "/etc/ld.so.conf.d"): "the same for the drop-in: Undo.new_dropin stays "
+                                    "False, a first boot's drop-in outlives the rollback",
+}
+
+
+def listed(table: dict[tuple[str, str], str], syscall: str, path: str) -> str | None:
+    return next((why for (name, glob), why in table.items()
+                 if name == syscall and fnmatch.fnmatchcase(path, glob)), None)
+
+
+def live_state(s: Swapper) -> tuple[object, bytes | None, bytes | None]:
+    """The driver root's manifest and the spec's and drop-in's bytes (None: absent)."""
+    def read(path: Path) -> bytes | None:
+        return path.read_bytes() if path.exists() else None
+
+    return (manifest(root_of(s.m)), read(spec_of(s.m)),
+            read(s.m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"))
 
 
 @pytest.fixture
@@ -266,9 +317,10 @@ def two_drivers(tmp_path: Path) -> Swapper:
     return s
 
 
-def spread(points: list[int]) -> list[int]:
-    """First, middle and last kill point."""
-    return sorted({points[0], points[len(points) // 2], points[-1]}) if points else []
+def spread(points: list[Point]) -> list[Point]:
+    """First, middle and last kill point, and every point aimed at a purpose."""
+    ends = {0, len(points) // 2, len(points) - 1}
+    return [p for i, p in enumerate(points) if i in ends or p.purpose]
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
@@ -276,29 +328,41 @@ def spread(points: list[int]) -> list[int]:
 def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: str,
                                                 syscall: str) -> None:
     """`strace -e inject=SYSCALL:error=ERRNO:when=N` at every kill point of test_crash on
-    a first boot, at the first, a middle and the last when swapping to a new driver: one
-    line (or success, when the call did not matter), never a traceback; the state whole;
-    the next run succeeds."""
+    a first boot, at the first, a middle, the last and every aimed one when swapping to a
+    new driver. The trace shows the injected call failed (and, for an aimed point, that
+    it was the call aimed at). Then either exit 1 with one line and the live root, spec
+    and drop-in exactly as before the run (ROLLBACK_GAPS aside), or exit 0 where
+    HARMLESS says why that error does not matter; never a traceback; the next run
+    succeeds."""
     s = two_drivers
-    points = kill_points(scenario, s)[syscall]
+    errno = ERRNO[syscall]
+    points = points_or_fail(scenario, syscall, kill_points(scenario, s)[syscall])
     if scenario == "new-driver":
         points = spread(points)
-    if not points:
-        pytest.skip(f"a {scenario} run makes no {syscall} call of its own")
-    for when in points:
+    outcomes = []
+    for point in points:
         target = s.prepare(scenario)
-        argv = ["strace", "-f", "-b", "execve", "-qq", "-o", "/dev/null", "-e",
-                f"trace={syscall}", "-e",
-                f"inject={syscall}:error={ERRNO[syscall]}:when={when}",
-                *product_argv(s.m.root, "run")]
-        proc = subprocess.run(argv, capture_output=True, text=True, env=product_env(),
-                              timeout=120)
-        wait_for_orphans(s.m.root)
-        assert "Traceback" not in proc.stderr, f"N={when}: {proc.stderr}"
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        if proc.returncode != 0:
-            assert proc.returncode == 1 and len(errors) == 1, f"N={when}: {proc.stderr}"
+        before = live_state(s)
+        run = run_injected(s.m, point, f"error={errno}")
+        hit = [w for _, w in run.hits]
+        assert hit, f"N={point}: the injected {errno} never fired"
+        assert all(f"= -1 {errno} " in f"= {c.result}" for c, _ in run.hits), run.hits
+        assert run.landed(point), f"N={point}: aimed at {point.purpose}, hit {hit}"
+        if run.code == 0:
+            unexplained = [path for path in hit if not listed(HARMLESS, syscall, path)]
+            assert not unexplained, (
+                f"N={point}: exit 0 although {syscall} on {unexplained} failed with {errno}; "
+                f"the product ignored it, or HARMLESS must say why that is right")
+        else:
+            errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+            assert run.code == 1 and len(errors) == 1, f"N={point}: {run.stderr}"
             assert "; " in errors[0]
+            gap = [why for path in hit if (why := listed(ROLLBACK_GAPS, syscall, path))]
+            if gap:
+                assert live_state(s) != before, f"N={point}: gap closed, drop it: {gap}"
+            else:
+                assert live_state(s) == before, f"N={point}: failed without rolling back"
+        outcomes.append(f"{point}:{run.code}")
         assert_whole(s, may_be_absent=scenario == "first-boot")
         recovered(s, target)
-    print(f"ERRORS {scenario} {syscall} {ERRNO[syscall]} at N={points}: held")
+    print(f"ERRORS {scenario} {syscall} {errno} at N:exit {' '.join(outcomes)}: held")
