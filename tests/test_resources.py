@@ -70,12 +70,18 @@ def fails_cleanly(m: simgpu.SimMachine, code: int, expect: str,
     assert expect in out.errors[0] and "; " in out.errors[0], out.errors[0]
     if unchanged:
         assert snapshot(m) == before
+    assert_no_leftovers(m)
+    return out.errors[0]
+
+
+def assert_no_leftovers(m: simgpu.SimMachine) -> None:
+    """A failed run cleaned up after itself: no generation beside the root, no work dir,
+    no temp file of an atomic write."""
     assert not list(root_of(m).parent.glob(".driver.*"))
     assert not (m.root / "run/unbounded-nvidia-setup").exists()
     for directory in (spec_of(m).parent, m.root / "etc/ld.so.conf.d"):
         if directory.exists():
             assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
-    return out.errors[0]
 
 
 def bigger_new_driver(m: simgpu.SimMachine, tmp_path: Path, size: int) -> None:
@@ -330,10 +336,10 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
     """`strace -e inject=SYSCALL:error=ERRNO:when=N` at every kill point of test_crash on
     a first boot, at the first, a middle, the last and every aimed one when swapping to a
     new driver. The trace shows the injected call failed (and, for an aimed point, that
-    it was the call aimed at). Then either exit 1 with one line and the live root, spec
-    and drop-in exactly as before the run (ROLLBACK_GAPS aside), or exit 0 where
-    HARMLESS says why that error does not matter; never a traceback; the next run
-    succeeds."""
+    it was the call aimed at). Then either exit 1 with one line, no leftovers and the
+    live root, spec and drop-in exactly as before the run (ROLLBACK_GAPS aside), or exit
+    0 where HARMLESS says why that error does not matter; never a traceback; the next
+    run succeeds."""
     s = two_drivers
     errno = ERRNO[syscall]
     points = points_or_fail(scenario, syscall, kill_points(scenario, s)[syscall])
@@ -357,6 +363,7 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
             errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
             assert run.code == 1 and len(errors) == 1, f"N={point}: {run.stderr}"
             assert "; " in errors[0]
+            assert_no_leftovers(s.m)
             gap = [why for path in hit if (why := listed(ROLLBACK_GAPS, syscall, path))]
             if gap:
                 assert live_state(s) != before, f"N={point}: gap closed, drop it: {gap}"
