@@ -263,6 +263,10 @@ ERRNO = {
     "unlinkat": "EIO", "rmdir": "EIO", "fchown": "EPERM", "fchmod": "EPERM",
     "utimensat": "EPERM", "chmod": "EPERM",
 }
+# What the one line of a failed run says for each injected error: the error itself, not
+# a later symptom of a run that went on after it.
+SAYS = {"ENOSPC": "no space left", "EIO": "input/output error",
+        "EPERM": "operation not permitted"}
 ERROR_CASES = [(scenario, syscall) for scenario in ("first-boot", "new-driver")
                for syscall in ERRNO
                if (scenario, syscall) not in NOT_MADE
@@ -336,10 +340,10 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
     """`strace -e inject=SYSCALL:error=ERRNO:when=N` at every kill point of test_crash on
     a first boot, at the first, a middle, the last and every aimed one when swapping to a
     new driver. The trace shows the injected call failed (and, for an aimed point, that
-    it was the call aimed at). Then either exit 1 with one line, no leftovers and the
-    live root, spec and drop-in exactly as before the run (ROLLBACK_GAPS aside), or exit
-    0 where HARMLESS says why that error does not matter; never a traceback; the next
-    run succeeds."""
+    it was the call aimed at). Then either exit 1 with one line naming that error, no
+    leftovers, and the live root, spec and drop-in exactly as before the run
+    (ROLLBACK_GAPS aside), or exit 0 where HARMLESS says why that error does not matter;
+    never a traceback; the next run succeeds."""
     s = two_drivers
     errno = ERRNO[syscall]
     points = points_or_fail(scenario, syscall, kill_points(scenario, s)[syscall])
@@ -362,7 +366,7 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
         else:
             errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
             assert run.code == 1 and len(errors) == 1, f"N={point}: {run.stderr}"
-            assert "; " in errors[0]
+            assert "; " in errors[0] and SAYS[errno] in errors[0].lower(), errors[0]
             assert_no_leftovers(s.m)
             gap = [why for path in hit if (why := listed(ROLLBACK_GAPS, syscall, path))]
             if gap:
