@@ -45,6 +45,7 @@ import pytest
 
 from invariants import (
     Call,
+    accesses,
     call_path,
     parse_calls,
     product_argv,
@@ -91,7 +92,7 @@ MAX_POINTS = 6
 # descriptor's path). Every class gets a point at the first and last of its calls for
 # each purpose (when strace can single that call out: see Point); `write` gets only
 # these, since by index its points all landed on log lines. A new file the run writes
-# (the metrics file) is one more line here, and one in MUST_WRITE.
+# (the metrics file) is one more line here, and its name in WRITES.
 PURPOSES: dict[str, tuple[str, ...]] = {
     "spec": ("/etc/cdi/.nvidia.yaml.*.tmp", "/etc/cdi/nvidia.yaml", "/etc/cdi"),
     "drop-in": ("/etc/ld.so.conf.d/.unbounded-nvidia-setup.conf.*.tmp",
@@ -101,11 +102,11 @@ PURPOSES: dict[str, tuple[str, ...]] = {
 # Classes a scenario makes no call of, and why; any other empty point list fails (CI).
 NOT_MADE = {("first-boot", "renameat2"): "no live root to exchange with: the first "
             "generation is renamed into place"}
-# The purposes each scenario must write for: the drop-in is already right on a swap.
-MUST_WRITE: dict[str, set[str]] = {
-    "first-boot": {"spec", "drop-in", "log"},
-    "new-driver": {"spec", "log"},
-}
+# The files each scenario writes atomically (the drop-in is already right on a swap): each
+# must have an aimed point at every step below, and `write` one at a log line besides.
+# (The temp file's fchmod cannot be aimed at: the copy workers make more fchmod calls.)
+ATOMIC_STEPS = ("openat", "write", "fsync", "rename")
+WRITES: dict[str, set[str]] = {"first-boot": {"spec", "drop-in"}, "new-driver": {"spec"}}
 
 
 # --------------------------------------------------------------------------------------
@@ -284,8 +285,9 @@ def ladder(cls: str, valid: list[int], per_thread: Counter[int], main: int) -> l
     return picked
 
 
-def profile(m: simgpu.SimMachine, classes: list[str]) -> dict[str, list[Point]]:
-    """Kill points of a `run` on `m` as it is now (the run happens: leave `m` as needed)."""
+def trace_run(m: simgpu.SimMachine, classes: list[str]) -> list[Call]:
+    """The calls of `classes` a successful `run` on `m` makes, in the order entered, with
+    descriptor paths (the run happens: leave `m` as needed)."""
     with tempfile.TemporaryDirectory(prefix="unb-profile-") as tmp:
         out = Path(tmp) / "trace"
         proc = subprocess.run(
@@ -296,7 +298,12 @@ def profile(m: simgpu.SimMachine, classes: list[str]) -> dict[str, list[Point]]:
         text = out.read_text(errors="surrogateescape")
     calls = parse_calls(text)
     assert any(c.name in classes for c in calls), f"nothing parsed from {text[:300]!r}"
-    return choose_points(calls, m.root, classes)
+    return calls
+
+
+def profile(m: simgpu.SimMachine, classes: list[str]) -> dict[str, list[Point]]:
+    """Kill points of a `run` on `m` as it is now."""
+    return choose_points(trace_run(m, classes), m.root, classes)
 
 
 _PROFILES: dict[str, dict[str, list[Point]]] = {}
@@ -304,15 +311,17 @@ _PROFILES: dict[str, dict[str, list[Point]]] = {}
 
 def kill_points(scenario: str, s: Swapper) -> dict[str, list[Point]]:
     """Profiled once per scenario (the machines of a scenario are all alike). Fails when
-    a file the scenario must write has no `write` point: that is the blind spot of
-    points picked by index."""
+    a file the scenario writes lacks a point at a step of its atomic write (the blind
+    spot of points picked by index), or that step went missing from the product."""
     if scenario not in _PROFILES:
         s.prepare(scenario)
         points = profile(s.m, list(KILL_CLASSES))
-        have = {p.purpose for p in points["write"] if p.purpose}
-        assert MUST_WRITE[scenario] <= have, (
-            f"{scenario}: no write point for {sorted(MUST_WRITE[scenario] - have)}; "
-            f"the writes seen: {[p.path for p in points['write']]}")
+        for step in ATOMIC_STEPS:
+            need = WRITES[scenario] | ({"log"} if step == "write" else set())
+            have = {p.purpose for p in points[step] if p.purpose}
+            assert need <= have, (
+                f"{scenario}: no {step} point for {sorted(need - have)}; "
+                f"the {step} calls aimable: {[p.path for p in points[step]]}")
         _PROFILES[scenario] = points
     return _PROFILES[scenario]
 
@@ -544,6 +553,33 @@ def test_killed_atomic_writes_leave_no_temp_files(two_drivers: Swapper) -> None:
         assert_whole(s, may_be_absent=True)
         recovered(s, s.current)
     assert left >= 2, points
+
+
+@pytest.mark.parametrize("scenario", ["first-boot", "new-driver"])
+def test_atomic_writes_sync_the_data_before_the_rename_and_the_rename_after(
+        two_drivers: Swapper, scenario: str) -> None:
+    """A kill cannot show what a power cut would: a file renamed into place before its
+    data reached the disk comes back empty. So, from a trace: for each file the scenario
+    writes (WRITES), the run creates the temp file, writes it, fsyncs it, renames it over
+    the file and fsyncs the directory, in that order, and nothing else on those paths."""
+    s = two_drivers
+    s.prepare(scenario)
+    calls = trace_run(s.m, ["openat", "write", "fsync", "rename"])
+    for purpose in sorted(WRITES[scenario]):
+        temp, final, directory = PURPOSES[purpose]
+        steps: list[str] = []
+        for call in calls:
+            paths = [where(call, s.m.root)] + [
+                "/" + os.path.relpath(a.path, s.m.root) for a in accesses([call])[1:]]
+            if call.name == "rename" and fnmatch.fnmatchcase(paths[0], temp):
+                steps.append("rename" if paths[-1] == final else f"rename to {paths[-1]}")
+            elif fnmatch.fnmatchcase(paths[0], temp):
+                steps.append(f"{call.name} temp")
+            elif call.name == "fsync" and paths[0] == directory:
+                steps.append("fsync dir")
+        steps = [step for i, step in enumerate(steps) if i == 0 or step != steps[i - 1]]
+        assert steps == ["openat temp", "write temp", "fsync temp", "rename", "fsync dir"], (
+            purpose, steps)
 
 
 # --------------------------------------------------------------------------------------
