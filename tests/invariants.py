@@ -397,6 +397,16 @@ def accesses(calls: Iterable[Call]) -> list[Access]:
     return found
 
 
+def call_path(call: Call) -> str | None:
+    """The path a call acts on: its first path argument (resolved against its dirfd) or,
+    for a call on a descriptor (write, fsync), that descriptor's path as ``strace -y``
+    shows it (``pipe:[…]`` for a pipe)."""
+    found = accesses([call])
+    if found:
+        return found[0].path
+    return _fd_path(call.args[0]) if call.args else None
+
+
 def symlink_targets(calls: Iterable[Call]) -> list[tuple[str, str]]:
     """(link path as given, target) of every symlink the calls made."""
     out = []

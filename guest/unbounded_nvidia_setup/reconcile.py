@@ -136,7 +136,10 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
         log.status("Generating the CDI spec")
         helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
         try:
-            undo.new_dropin = ldconf.install_dropin(machine)
+            # Known before writing: a drop-in whose directory fsync fails after its rename
+            # is already there.
+            undo.new_dropin = not machine.ldconf_dropin.exists()
+            ldconf.install_dropin(machine)
             ldconf.remove_legacy_links(machine)
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
