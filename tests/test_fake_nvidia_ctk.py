@@ -765,6 +765,26 @@ def test_sandboxutils_without_its_init_kills_it_too(
 
 
 @needs_root
+def test_nvml_scratch_root_is_never_left_behind(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    """The empty root the init runs in is gone when the stand-in is; one a SIGKILLed
+    stand-in left (the product kills an nvidia-ctk it no longer needs) is removed by the
+    next one, whatever else is there."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    stale = scratch / f".nvidia-ctk-nvml.{int(dead.stdout)}.1"
+    alive = scratch / f".nvidia-ctk-nvml.{os.getpid()}.1"
+    stale.mkdir()
+    alive.mkdir()
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, dev=dev_root.path, TMPDIR=str(scratch))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in scratch.iterdir()) == [alive.name]
+
+
+@needs_root
 def test_real_libnvidia_ml_answers_driver_not_loaded_and_touches_no_dev(
     tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
 ) -> None:

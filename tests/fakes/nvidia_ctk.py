@@ -64,6 +64,7 @@ Test knobs (environment):
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import json
@@ -673,20 +674,43 @@ def load_library(path: str) -> Any:
         return None
 
 
+_SCRATCH_PREFIX = ".nvidia-ctk-nvml."
+
+
+def _remove_stale_scratch(tmp: str) -> None:
+    """Empty roots of stand-ins that were SIGKILLed in the instant between making theirs
+    and removing it (the product kills an nvidia-ctk whose answer it no longer needs)."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(_SCRATCH_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_SCRATCH_PREFIX):].split(".", 1)[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(tmp, name))
+        except (ValueError, PermissionError):
+            continue
+
+
 def call_isolated(function: Callable[[], int]) -> int:
     """Call an NVML init function and return its result, in a child process that, when it
     may, chroots into an empty directory first. The real libnvidia-ml, run as root,
     mknods /dev/nvidiactl, unlinks /dev/char/<major>:<minor> and looks for modprobe in
     the caller's root (seen with Debian's 535.309.01): on a test machine that must not
     happen. In an empty root it finds no /proc, /sys or /dev and answers what it answers
-    without a loaded kernel module. Where chroot is not permitted (the unit's capability
-    bounding set in a booted test machine) the call happens in place, as the real tool's
-    would."""
-    empty = os.path.join(os.environ.get("TMPDIR") or "/tmp",
-                         f".nvidia-ctk-nvml.{os.getpid()}.{time.monotonic_ns()}")
+    without a loaded kernel module. The directory is removed as soon as the child is in
+    it (nothing can be made in a removed directory). Where chroot is not permitted (the
+    unit's capability bounding set in a booted test machine) the call happens in place,
+    as the real tool's would."""
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    _remove_stale_scratch(tmp)
+    empty = os.path.join(tmp, f"{_SCRATCH_PREFIX}{os.getpid()}.{time.monotonic_ns()}")
     os.mkdir(empty, 0o700)
-    read_end, write_end = os.pipe()
     try:
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover (child)
             try:
@@ -696,20 +720,19 @@ def call_isolated(function: Callable[[], int]) -> int:
                     os.chdir("/")
                 except PermissionError:
                     pass
+                os.write(write_end, b"\n")  # in its root: the parent may remove it
                 os.write(write_end, str(function()).encode())
             finally:
                 os._exit(0)
         os.close(write_end)
-        write_end = -1
         with os.fdopen(read_end, "rb") as answer:
-            read_end = -1
-            text = answer.read().decode()
+            ready = answer.read(1)
+            os.rmdir(empty)
+            text = answer.read().decode() if ready else ""
         os.waitpid(pid, 0)
     finally:
-        for fd in (read_end, write_end):
-            if fd >= 0:
-                os.close(fd)
-        os.rmdir(empty)
+        if os.path.isdir(empty):
+            os.rmdir(empty)
     return int(text) if text.strip().lstrip("-").isdigit() else 999
 
 
