@@ -33,7 +33,8 @@ from invariants import (
 import simgpu
 from conftest import Cli, Outcome, needs_root
 from test_failures import fails_cleanly, mount_tmpfs, new_driver
-from test_run import check_json, codes, load_spec, mounts, root_of, snapshot, spec_of
+from test_run import check_json, codes, load_spec, root_of, snapshot, spec_of
+from test_run import mounts as spec_mounts
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
@@ -269,7 +270,7 @@ def test_extra_library_prefixes_are_driver_files_for_discover_verify_and_check(
     assert report["ok"] is True, report["problems"]
     section = report["driver_root"]
     assert isinstance(section, dict) and set(extra) <= set(section["libraries"])
-    assert str(lib / f"libnvrm_mem.so.{m.version}") in mounts(load_spec(m))
+    assert str(lib / f"libnvrm_mem.so.{m.version}") in spec_mounts(load_spec(m))
 
     # check judges the root by the key, not by what is there: without it these are
     # foreign files, and the next run takes them out.
