@@ -26,8 +26,9 @@ in the same invocation):
                  host directory bind-mounted into the machine, /run a tmpfs), made by a
                  second tmpfs mounted on <root>/run/nvidia for the sample. Linux refuses
                  copy_file_range across filesystems (EXDEV) and the tool copies with
-                 sendfile; `cp -a` falls back to read/write. Cold runs alternate same-fs,
-                 cross-fs, and the baseline cross-fs (not a target: reported).
+                 sendfile; `cp -a` falls back to read/write. Cold runs and the baseline
+                 alternate, each on one filesystem and across two (not a target:
+                 reported).
   rss            peak RSS of the tool's own process in a cold run (VmHWM; see peak_rss),
                  at scale 1.0 and with the payload doubled (scale 2.0).
   version        `unbounded-nvidia-setup --version` vs `python -c pass`, same interpreter.
@@ -712,7 +713,7 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
     series: dict[str, Series] = {k: Series() for k in (
         "version", "python_pass", "module_version", "cold", "warm", "baseline", "cold_30k",
         "cold_x1", "cold_x2", "baseline_x1", "baseline_x2", "cold_same_fs", "cold_xfs",
-        "baseline_xfs")}
+        "baseline_same_fs", "baseline_xfs")}
     rss: dict[str, list[Rss]] = {"x1": [], "x2": []}
     payload: dict[str, int] = {}
     entries: dict[str, int] = {}
@@ -755,18 +756,20 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
                 f"{series['cold_30k'].samples[-1]:.2f} s")
         remove_machine(large)
 
-        log(f"staging on another filesystem: cold same-fs / cold cross-fs / baseline "
-            f"cross-fs, {pairs_xfs} alternating rounds")
+        log(f"staging on another filesystem: cold and baseline, same-fs / cross-fs, "
+            f"{pairs_xfs} alternating rounds")
         prepare_cross_filesystem(small)
         for i in range(pairs_xfs):
             series["cold_same_fs"].samples.append(timed_cold(small))
             with other_filesystem(small):
                 series["cold_xfs"].samples.append(timed_cold(small))
+            series["baseline_same_fs"].samples.append(timed_baseline(small))
             with other_filesystem(small):
                 series["baseline_xfs"].samples.append(timed_baseline(small))
             log(f"  round {i + 1}: cold {series['cold_same_fs'].samples[-1]:.2f} s / "
-                f"cross-fs {series['cold_xfs'].samples[-1]:.2f} s, baseline cross-fs "
-                f"{series['baseline_xfs'].samples[-1]:.2f} s")
+                f"{series['cold_xfs'].samples[-1]:.2f} s, baseline "
+                f"{series['baseline_same_fs'].samples[-1]:.2f} s / "
+                f"{series['baseline_xfs'].samples[-1]:.2f} s (same-fs / cross-fs)")
 
         # Payload growth: the x1 machine again, alternating with one whose files are twice
         # as large (same names, same staging entries), so both sizes see the same load.
@@ -836,6 +839,8 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
             c / b for c, b in zip(series["cold"].samples, series["baseline"].samples,
                                   strict=True)),
         "cold_xfs_over_same_fs": med["cold_xfs"] / med["cold_same_fs"],
+        "baseline_xfs_over_same_fs": med["baseline_xfs"] / med["baseline_same_fs"],
+        "cold_baseline_same_fs_phase": med["cold_same_fs"] / med["baseline_same_fs"],
         "cold_baseline_xfs": med["cold_xfs"] / med["baseline_xfs"],
     }
     targets = [{"key": key, "label": label, "value": round(figures[key], 4), "limit": limit,
@@ -847,8 +852,8 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
             f"version {figures['version']:.2f}x ({med['version'] * 1000:.1f} ms / "
             f"{med['python_pass'] * 1000:.1f} ms) cross-fs cold/baseline "
             f"{extra['cold_baseline_xfs']:.2f} ({med['cold_xfs']:.2f} s / "
-            f"{med['baseline_xfs']:.2f} s, cross-fs/same-fs cold "
-            f"{extra['cold_xfs_over_same_fs']:.2f})")
+            f"{med['baseline_xfs']:.2f} s; same-fs in those rounds "
+            f"{extra['cold_baseline_same_fs_phase']:.2f})")
     return {
         "summary": line,
         "machine": info,
@@ -902,7 +907,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "version": "`unbounded-nvidia-setup --version`",
         "module_version": "`python -m unbounded_nvidia_setup --version`",
         "python_pass": "`python -c pass` (same interpreter)",
-        "cold_same_fs": "cold `run`, alternating with the two below",
+        "cold_same_fs": "cold `run`, alternating with the three below",
+        "baseline_same_fs": "baseline script, alternating with the cross-fs runs",
         "cold_xfs": "cold `run`, /run/nvidia on another filesystem than staging (sendfile)",
         "baseline_xfs": "baseline script, /run/nvidia on another filesystem than staging",
     }
@@ -919,8 +925,10 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"`python -c pass`: {ex['python_floor_rss_mb']:.1f} MB.", "",
             f"Staging on another filesystem than /run/nvidia (the node's layout: "
             f"copy_file_range fails with EXDEV, the tool copies with sendfile, `cp -a` with "
-            f"read/write): cold/baseline {ex['cold_baseline_xfs']:.2f}, cold cross-fs / "
-            f"same-fs {ex['cold_xfs_over_same_fs']:.2f}.", "",
+            f"read/write): cold/baseline {ex['cold_baseline_xfs']:.2f} (same-fs in the same "
+            f"rounds {ex['cold_baseline_same_fs_phase']:.2f}); cross-fs / same-fs: cold "
+            f"{ex['cold_xfs_over_same_fs']:.2f}, baseline "
+            f"{ex['baseline_xfs_over_same_fs']:.2f}.", "",
             f"Rounds: {result['rounds']['pairs']} (cold/warm/baseline/30k), "
             f"{result['rounds']['pairs_x2']} (x1/x2 payload), "
             f"{result['rounds']['pairs_xfs']} (same-fs/cross-fs), "
