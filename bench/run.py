@@ -22,6 +22,13 @@ in the same invocation):
                  same arguments, `ldconfig -r`.
   warm/cold      `run` again with nothing changed vs cold.
   scan           cold with 30,000 staging entries vs cold with 3,000.
+  cross-fs       the node's layout: staging on another filesystem than /run/nvidia (a
+                 host directory bind-mounted into the machine, /run a tmpfs), made by a
+                 second tmpfs mounted on <root>/run/nvidia for the sample. Linux refuses
+                 copy_file_range across filesystems (EXDEV) and the tool copies with
+                 sendfile; `cp -a` falls back to read/write. Cold runs and the baseline
+                 alternate, each on one filesystem and across two (not a target:
+                 reported).
   rss            peak RSS of the tool's own process in a cold run (VmHWM; see peak_rss),
                  at scale 1.0 and with the payload doubled (scale 2.0).
   version        `unbounded-nvidia-setup --version` vs `python -c pass`, same interpreter.
@@ -496,6 +503,36 @@ def prepare(bench: Bench, scripts: Path) -> None:
     check_baseline_tree(bench)
 
 
+@contextlib.contextmanager
+def other_filesystem(bench: Bench) -> Iterator[Path]:
+    """/run/nvidia of `bench` on a tmpfs of its own while the block runs, as on a node
+    where staging is the host's filesystem. The root the previous run left is deleted
+    first (a mount over it would hide it, not free it)."""
+    reset(bench)
+    nvidia = bench.root / "run" / "nvidia"
+    nvidia.mkdir(parents=True, exist_ok=True)
+    run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=0755", "tmpfs", str(nvidia)],
+        timeout=QUICK_TIMEOUT)
+    try:
+        if os.stat(nvidia).st_dev == os.stat(bench.sim.lib_dir).st_dev:
+            raise BenchError(f"{nvidia} is still on the staging's filesystem")
+        yield nvidia
+    finally:
+        if run(["umount", str(nvidia)], timeout=QUICK_TIMEOUT, check=False).returncode != 0:
+            run(["umount", "-l", str(nvidia)], timeout=QUICK_TIMEOUT, check=False)
+
+
+def prepare_cross_filesystem(bench: Bench) -> None:
+    """Untimed: the tool and the baseline build the same trees across filesystems."""
+    with other_filesystem(bench):
+        run(bench.tool_argv())
+        check_tool_tree(bench)
+    with other_filesystem(bench):
+        assert bench.baseline is not None
+        run(["/bin/sh", str(bench.baseline)])
+        check_baseline_tree(bench)
+
+
 def remove_machine(bench: Bench) -> None:
     shutil.rmtree(bench.root)
 
@@ -666,7 +703,8 @@ def _check_memory(need_gib: float) -> None:
                                      f"tmpfs, {have:.1f} GiB available")
 
 
-def benchmark(pairs: int, pairs_x2: int, rounds_version: int) -> dict[str, Any]:
+def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
+              pairs_xfs: int) -> dict[str, Any]:
     _check_memory(6.0)
     info = machine_info()
     if info["loadavg_start"] > 0.7:
@@ -674,7 +712,8 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int) -> dict[str, Any]:
             "2 cores; alternation keeps the ratios fair, absolute times suffer")
     series: dict[str, Series] = {k: Series() for k in (
         "version", "python_pass", "module_version", "cold", "warm", "baseline", "cold_30k",
-        "cold_x1", "cold_x2", "baseline_x1", "baseline_x2")}
+        "cold_x1", "cold_x2", "baseline_x1", "baseline_x2", "cold_same_fs", "cold_xfs",
+        "baseline_same_fs", "baseline_xfs")}
     rss: dict[str, list[Rss]] = {"x1": [], "x2": []}
     payload: dict[str, int] = {}
     entries: dict[str, int] = {}
@@ -717,6 +756,21 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int) -> dict[str, Any]:
                 f"{series['cold_30k'].samples[-1]:.2f} s")
         remove_machine(large)
 
+        log(f"staging on another filesystem: cold and baseline, same-fs / cross-fs, "
+            f"{pairs_xfs} alternating rounds")
+        prepare_cross_filesystem(small)
+        for i in range(pairs_xfs):
+            series["cold_same_fs"].samples.append(timed_cold(small))
+            with other_filesystem(small):
+                series["cold_xfs"].samples.append(timed_cold(small))
+            series["baseline_same_fs"].samples.append(timed_baseline(small))
+            with other_filesystem(small):
+                series["baseline_xfs"].samples.append(timed_baseline(small))
+            log(f"  round {i + 1}: cold {series['cold_same_fs'].samples[-1]:.2f} s / "
+                f"{series['cold_xfs'].samples[-1]:.2f} s, baseline "
+                f"{series['baseline_same_fs'].samples[-1]:.2f} s / "
+                f"{series['baseline_xfs'].samples[-1]:.2f} s (same-fs / cross-fs)")
+
         # Payload growth: the x1 machine again, alternating with one whose files are twice
         # as large (same names, same staging entries), so both sizes see the same load.
         double = build_machine(mnt, "scale2", 2.0, SMALL_STAGING)
@@ -748,7 +802,8 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int) -> dict[str, Any]:
         log(f"other processes used {info['other_cpu_percent']}% of the CPUs during the "
             "benchmark: figures that rely on the second core (cold/baseline) suffer most")
     return summarize(info, series, rss, floor_kib, payload, entries,
-                     {"pairs": pairs, "pairs_x2": pairs_x2, "rounds_version": rounds_version})
+                     {"pairs": pairs, "pairs_x2": pairs_x2, "rounds_version": rounds_version,
+                      "pairs_xfs": pairs_xfs})
 
 
 def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, list[Rss]],
@@ -783,6 +838,10 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
         "per_pair_cold_baseline": statistics.median(
             c / b for c, b in zip(series["cold"].samples, series["baseline"].samples,
                                   strict=True)),
+        "cold_xfs_over_same_fs": med["cold_xfs"] / med["cold_same_fs"],
+        "baseline_xfs_over_same_fs": med["baseline_xfs"] / med["baseline_same_fs"],
+        "cold_baseline_same_fs_phase": med["cold_same_fs"] / med["baseline_same_fs"],
+        "cold_baseline_xfs": med["cold_xfs"] / med["baseline_xfs"],
     }
     targets = [{"key": key, "label": label, "value": round(figures[key], 4), "limit": limit,
                 "pass": figures[key] <= limit} for key, label, limit in TARGETS]
@@ -791,7 +850,10 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
             f"({med['warm']:.2f} s) scan {figures['scan']:.2f} ({med['cold_30k']:.2f} s / "
             f"{med['cold']:.2f} s) rss {rss_x1:.1f} MB (x2 payload {rss_x2:.1f} MB) "
             f"version {figures['version']:.2f}x ({med['version'] * 1000:.1f} ms / "
-            f"{med['python_pass'] * 1000:.1f} ms)")
+            f"{med['python_pass'] * 1000:.1f} ms) cross-fs cold/baseline "
+            f"{extra['cold_baseline_xfs']:.2f} ({med['cold_xfs']:.2f} s / "
+            f"{med['baseline_xfs']:.2f} s; same-fs in those rounds "
+            f"{extra['cold_baseline_same_fs_phase']:.2f})")
     return {
         "summary": line,
         "machine": info,
@@ -845,6 +907,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         "version": "`unbounded-nvidia-setup --version`",
         "module_version": "`python -m unbounded_nvidia_setup --version`",
         "python_pass": "`python -c pass` (same interpreter)",
+        "cold_same_fs": "cold `run`, alternating with the three below",
+        "baseline_same_fs": "baseline script, alternating with the cross-fs runs",
+        "cold_xfs": "cold `run`, /run/nvidia on another filesystem than staging (sendfile)",
+        "baseline_xfs": "baseline script, /run/nvidia on another filesystem than staging",
     }
     for key, label in labels.items():
         q1, _, q3 = statistics.quantiles(result["samples_seconds"][key], n=4)
@@ -857,8 +923,15 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{ex['cold_fixed_seconds']:.2f} s. Staging growth: "
             f"{ex['scan_ms_per_1000_entries']:.1f} ms per 1000 entries. Peak RSS floor of "
             f"`python -c pass`: {ex['python_floor_rss_mb']:.1f} MB.", "",
+            f"Staging on another filesystem than /run/nvidia (the node's layout: "
+            f"copy_file_range fails with EXDEV, the tool copies with sendfile, `cp -a` with "
+            f"read/write): cold/baseline {ex['cold_baseline_xfs']:.2f} (same-fs in the same "
+            f"rounds {ex['cold_baseline_same_fs_phase']:.2f}); cross-fs / same-fs: cold "
+            f"{ex['cold_xfs_over_same_fs']:.2f}, baseline "
+            f"{ex['baseline_xfs_over_same_fs']:.2f}.", "",
             f"Rounds: {result['rounds']['pairs']} (cold/warm/baseline/30k), "
             f"{result['rounds']['pairs_x2']} (x1/x2 payload), "
+            f"{result['rounds']['pairs_xfs']} (same-fs/cross-fs), "
             f"{result['rounds']['rounds_version']} (--version), alternating. Machine: "
             f"{m['nproc']} CPUs ({m['cpu']}), {m['memory']}, kernel {m['kernel']}, "
             f"{m['os']}, {m['python']}, {m['filesystem']}; product {m['product']} at "
@@ -1039,6 +1112,9 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=31,
                         help="alternating rounds at scale 1.0 (default 31)")
+    parser.add_argument("--pairs-xfs", type=int, default=11,
+                        help="alternating rounds of same-fs and cross-fs cold runs and the "
+                             "cross-fs baseline (default 11)")
     parser.add_argument("--pairs-x2", type=int, default=11,
                         help="alternating rounds of payload x1 and x2 (default 11)")
     parser.add_argument("--version-rounds", type=int, default=60,
@@ -1060,7 +1136,7 @@ def main(argv: list[str]) -> int:
     if not TOOL.exists():
         print(f"bench: {TOOL} missing; run `make venv`", file=sys.stderr)
         return 2
-    if min(args.pairs, args.pairs_x2, args.version_rounds) < 1:
+    if min(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs) < 1:
         print("bench: rounds must be at least 1", file=sys.stderr)
         return 2
     if not (0 < args.scale <= 2 and 0 < args.entries <= 100_000):
@@ -1074,7 +1150,7 @@ def main(argv: list[str]) -> int:
         if args.profile:
             profile(args.top, 3, args.entries, args.scale)
             return 0
-        result = benchmark(args.pairs, args.pairs_x2, args.version_rounds)
+        result = benchmark(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs)
     except BenchError as e:
         print(f"bench: FAILED: {e}", file=sys.stderr)
         return 1

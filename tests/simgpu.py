@@ -2,7 +2,10 @@
 
 Everything that looks like an ELF object here is a REAL one built by gcc (except where
 a function says it is hand-made), so the product's ELF reader, ``ldconfig -r`` and
-the nvidia-ctk stand-in all see genuine shared objects with genuine DT_SONAMEs.
+the nvidia-ctk stand-in all see genuine shared objects with genuine DT_SONAMEs. The
+simulated libnvidia-ml exports NVML's entry points (NVML_ENTRY_POINTS), answering like the
+real library on a machine without a loaded NVIDIA kernel module: the nvidia-ctk stand-in
+loads it and calls nvmlInit_v2 as the real tool does.
 
 Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version)::
 
@@ -271,6 +274,49 @@ def _so_source(tag: str) -> str:
     )
 
 
+NVML_SONAME = "libnvidia-ml.so.1"
+# NVML's entry points as the real libnvidia-ml answers them without a loaded NVIDIA kernel
+# module (Debian's 535.309.01, called with ctypes here): every init returns 9
+# (NVML_ERROR_DRIVER_NOT_LOADED), queries 1 (NVML_ERROR_UNINITIALIZED), shutdown 0.
+# nvidia-ctk loads the libnvidia-ml.so.1 of the driver root and calls nvmlInit_v2 (else
+# nvmlInit) even in management mode; a library without them kills it (FACTS.md).
+NVML_ENTRY_POINTS = ("nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlShutdown",
+                     "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
+                     "nvmlDeviceGetCount_v2", "nvmlErrorString")
+_NVML_SOURCE = """\
+#define NVML_API __attribute__((visibility("default")))
+NVML_API int nvmlInit(void) { return 9; }
+NVML_API int nvmlInit_v2(void) { return 9; }
+NVML_API int nvmlInitWithFlags(unsigned int flags) { (void)flags; return 9; }
+NVML_API int nvmlShutdown(void) { return 0; }
+NVML_API int nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{ (void)version; (void)length; return 1; }
+NVML_API int nvmlDeviceGetCount(unsigned int *count) { (void)count; return 1; }
+NVML_API int nvmlDeviceGetCount_v2(unsigned int *count) { (void)count; return 1; }
+NVML_API const char *nvmlErrorString(int result)
+{
+    switch (result) {
+    case 0: return "Success";
+    case 1: return "Uninitialized";
+    case 9: return "Driver Not Loaded";
+    default: return "Unknown Error";
+    }
+}
+"""
+
+
+def nvml_source() -> str:
+    """C source of the simulated NVML entry points (NVML_ENTRY_POINTS)."""
+    return _NVML_SOURCE
+
+
+def _source_for(soname: str | None, tag: str, nvml: bool | None) -> str:
+    """A simulated library's source; libnvidia-ml also gets NVML's entry points unless
+    `nvml` is False (a stub such as the CUDA toolkit's, which nvidia-ctk cannot use)."""
+    with_nvml = soname == NVML_SONAME if nvml is None else nvml
+    return _so_source(tag) + (_NVML_SOURCE if with_nvml else "")
+
+
 def _exe_source(tag: str) -> str:
     return (
         "/* unbounded-nvidia-setup test fixture: simulated executable */\n"
@@ -326,9 +372,11 @@ def _build(cc: str, source: str, flags: list[str]) -> bytes:
     return data
 
 
-def so_bytes(soname: str | None, *, tag: str | None = None) -> bytes:
-    """The bytes of a real x86_64 shared object with DT_SONAME ``soname`` (None: none)."""
-    return _build("gcc", _so_source(tag if tag is not None else f"so:{soname}"), _so_flags(soname))
+def so_bytes(soname: str | None, *, tag: str | None = None, nvml: bool | None = None) -> bytes:
+    """The bytes of a real x86_64 shared object with DT_SONAME ``soname`` (None: none);
+    ``nvml``: export NVML's entry points (default: when ``soname`` is libnvidia-ml's)."""
+    source = _source_for(soname, tag if tag is not None else f"so:{soname}", nvml)
+    return _build("gcc", source, _so_flags(soname))
 
 
 def exe_bytes(tag: str = "simulated program") -> bytes:
@@ -343,7 +391,7 @@ def prewarm(sonames: Iterable[str | None], exe_tags: Iterable[str] = ()) -> None
         key = f"so:{soname}"
         if key not in seen:
             seen.add(key)
-            jobs.append(("gcc", _so_source(key), _so_flags(soname)))
+            jobs.append(("gcc", _source_for(soname, key, None), _so_flags(soname)))
     for tag in exe_tags:
         if f"exe:{tag}" not in seen:
             seen.add(f"exe:{tag}")
@@ -392,11 +440,13 @@ def write_file(out: Path, data: bytes, size: int = 0, mode: int = 0o644) -> None
 
 
 def compile_so(
-    out: Path, soname: str | None, size: int = 0, *, mode: int = 0o644, tag: str | None = None
+    out: Path, soname: str | None, size: int = 0, *, mode: int = 0o644, tag: str | None = None,
+    nvml: bool | None = None,
 ) -> None:
     """A real x86_64 shared object (``gcc -shared -fPIC -Wl,-soname,<soname>``; no
-    DT_SONAME when ``soname`` is None), at least ``size`` bytes long."""
-    write_file(out, so_bytes(soname, tag=tag), size, mode)
+    DT_SONAME when ``soname`` is None), at least ``size`` bytes long. libnvidia-ml
+    (``soname`` libnvidia-ml.so.1) exports NVML's entry points unless ``nvml`` is False."""
+    write_file(out, so_bytes(soname, tag=tag, nvml=nvml), size, mode)
 
 
 def compile_exe(out: Path, size: int = 0, *, tag: str = "simulated program") -> None:
@@ -423,7 +473,8 @@ def aarch64_so(out: Path, soname: str) -> None:
     aarch64 object (which is all a loader-independent tool reads); its code is x86."""
     flags = [*_so_flags(soname), "-nostdlib"]
     if shutil.which("aarch64-linux-gnu-gcc") and _probe("aarch64", "aarch64-linux-gnu-gcc", flags):
-        data = _build("aarch64-linux-gnu-gcc", _so_source(f"aarch64:{soname}"), flags)
+        data = _build("aarch64-linux-gnu-gcc", _source_for(soname, f"aarch64:{soname}", None),
+                      flags)
     else:
         patched = bytearray(so_bytes(soname, tag=f"aarch64:{soname}"))
         struct.pack_into("<H", patched, 18, EM_AARCH64)

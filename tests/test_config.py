@@ -23,6 +23,7 @@ def test_defaults_match_the_design() -> None:
     assert (c.nvidia_ctk, c.nvidia_ctk_args, c.ldconfig, c.arch) == ("nvidia-ctk", (),
                                                                      "ldconfig", "auto")
     assert (c.staging_wait_seconds, c.lock_timeout_seconds) == (60, 300)
+    assert (c.nvidia_ctk_timeout_seconds, c.ldconfig_timeout_seconds) == (120, 120)
     assert c.extra_library_prefixes == ()
 
 
@@ -48,6 +49,7 @@ def test_full_file_is_read(tmp_path: Path) -> None:
     ({"staging_wait_seconds": "60"}, "staging_wait_seconds"),
     ({"staging_wait_seconds": True}, "staging_wait_seconds"),
     ({"lock_timeout_seconds": -1}, "lock_timeout_seconds"),
+    ({"ldconfig_timeout_seconds": "2m"}, "ldconfig_timeout_seconds"),
     ({"nvidia_ctk_args": "--mode=nvml"}, "nvidia_ctk_args"),
     ({"driver_root": "run/nvidia"}, "driver_root"),
     ({"driver_root": "/"}, "driver_root"),

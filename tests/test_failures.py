@@ -195,6 +195,17 @@ def test_broken_nvidia_ctk_keeps_the_previous_root_and_spec(
     assert cli(live.root, "run").code == 0
 
 
+def test_libnvidia_ml_without_nvml_keeps_the_previous_root_and_spec(
+        live: simgpu.SimMachine, cli: Cli) -> None:
+    """A libnvidia-ml without NVML's entry points (a stub, like the CUDA toolkit's): the
+    real nvidia-ctk 1.20 loads it from the new root, calls nvmlInit and dies with exit
+    127 (FACTS.md). The run names that, and the previous root and spec stay live."""
+    simgpu.compile_so(live.staging[0] / f"libnvidia-ml.so.{live.version}",
+                      simgpu.NVML_SONAME, nvml=False)
+    error = fails_cleanly(cli, live, 1, "nvidia-ctk cdi generate failed (exit status 127")
+    assert "symbol lookup error" in error and "undefined symbol: nvmlInit" in error
+
+
 def test_failing_nvidia_ctk_on_first_boot_leaves_nothing(m: simgpu.SimMachine,
                                                          cli: Cli) -> None:
     (m.root / "dev/nvidia-uvm").unlink()

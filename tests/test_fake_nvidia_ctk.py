@@ -22,6 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
+from invariants import TRACE_SET, accesses, parse_calls
+
+import realdriver
+import simgpu
+
 FAKE = Path(__file__).parent / "fakes" / "nvidia-ctk"
 VER = "535.309.01"
 LIBDIR = "lib/x86_64-linux-gnu"
@@ -96,17 +101,21 @@ def links(spec: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="session")
 def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Compiles (once per SONAME) a real shared object with that DT_SONAME."""
+    """Compiles (once per SONAME) a real shared object with that DT_SONAME; libnvidia-ml
+    (libnvidia-ml.so.1) with NVML's entry points, as the real one has them."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to build real ELF shared objects")
     directory = tmp_path_factory.mktemp("so")
-    source = directory / "empty.c"
-    source.write_text("int fake_symbol;\n")
+    plain = directory / "empty.c"
+    plain.write_text("int fake_symbol;\n")
+    nvml = directory / "nvml.c"
+    nvml.write_text(simgpu.nvml_source())
     built: dict[str, Path] = {}
 
     def build(soname: str) -> Path:
         if soname not in built:
             out = directory / f"{soname}.bin"
+            source = nvml if soname == simgpu.NVML_SONAME else plain
             subprocess.run(
                 ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(source)],
                 check=True,
@@ -622,6 +631,195 @@ def test_auto_mode_needs_nvml(driver_root: Tree, tmp_path: Path) -> None:
     result = generate(driver_root.path, out, mode="nvml", FAKE_NVIDIA_CTK_GPUS="GPU-1")
     assert_failed(result, "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND")
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- NVML
+
+
+def custom_lib(root: Tree, name: str, soname: str, source: str) -> Path:
+    """A real shared object `name` in the root's library dir built from `source`, with its
+    SONAME link (as the product lays them out)."""
+    src = root.path.parent / f"{name}.c"
+    src.write_text(source)
+    target = root.path / LIBDIR / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(target),
+                    str(src)], check=True)
+    link = root.path / LIBDIR / soname
+    if not os.path.lexists(link):
+        link.symlink_to(name)
+    return target
+
+
+def nvml_root(tree: Callable[[str], Tree], source: str) -> Tree:
+    """libcuda as usual; libnvidia-ml.so.<ver> built from `source`."""
+    root = tree("driver")
+    root.lib(f"libcuda.so.{VER}")
+    root.link(f"{LIBDIR}/libcuda.so.1", f"libcuda.so.{VER}")
+    custom_lib(root, f"libnvidia-ml.so.{VER}", "libnvidia-ml.so.1", source)
+    return root
+
+
+def died_of_missing_symbol(result: subprocess.CompletedProcess[str], symbol: str) -> None:
+    """The real tool's death (FACTS.md): ld.so's one line, exit 127, no Go error log."""
+    assert result.returncode == 127, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last == f"{FAKE}: symbol lookup error: {FAKE}: undefined symbol: {symbol}", last
+    assert "level=error" not in result.stderr
+
+
+@needs_root
+@pytest.mark.parametrize("mode", ["management", None])
+def test_libnvidia_ml_without_nvml_init_kills_it_like_the_real_tool(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path, mode: str | None
+) -> None:
+    """A stub (the CUDA toolkit's, or another library behind a wrong libnvidia-ml.so.1
+    link): the real nvidia-ctk 1.20 calls nvmlInit even in management mode, and dies."""
+    root = nvml_root(tree, "int fake_symbol;\n")
+    out = tmp_path / "nvidia.yaml"
+    died_of_missing_symbol(generate(root.path, out, dev=dev_root.path, mode=mode),
+                           "nvmlInit")
+    assert not out.exists()
+    # The GPU knob does not save it: NVML never gets that far.
+    result = generate(root.path, out, dev=dev_root.path, mode=mode,
+                      FAKE_NVIDIA_CTK_GPUS="GPU-1")
+    died_of_missing_symbol(result, "nvmlInit")
+
+
+@needs_root
+def test_nvml_init_is_called_and_its_answer_used(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    """The init function is resolved like go-nvml (nvmlInit_v2, else nvmlInit) and really
+    called: its return code is what nvml mode reports."""
+    out = tmp_path / "nvidia.yaml"
+    only_v2 = nvml_root(tree, "int nvmlInit_v2(void) { return 3; }\n")
+    result = generate(only_v2.path, out, dev=dev_root.path, mode=None)
+    assert_failed(result, "failed to initialize NVML: ERROR_NOT_SUPPORTED")
+    # Management mode goes on whatever NVML answers.
+    assert generate(only_v2.path, out, dev=dev_root.path).returncode == 0
+    shutil.rmtree(only_v2.path)
+    only_v1 = nvml_root(tree, "int nvmlInit(void) { return 2; }\n")
+    result = generate(only_v1.path, out, dev=dev_root.path, mode="nvml")
+    assert_failed(result, "failed to initialize NVML: ERROR_INVALID_ARGUMENT")
+    shutil.rmtree(only_v1.path)
+    both = nvml_root(tree, "int nvmlInit(void) { return 2; }\n"
+                           "int nvmlInit_v2(void) { return 9; }\n")
+    result = generate(both.path, out, dev=dev_root.path, mode="nvml")
+    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+
+
+def test_simulated_nvml_answers_like_a_machine_without_a_driver(tmp_path: Path) -> None:
+    """tests/simgpu.py's libnvidia-ml exports NVML's entry points with the real library's
+    answers without a loaded kernel module (checked against Debian's 535.309.01)."""
+    import ctypes
+
+    path = tmp_path / "libnvidia-ml.so.1"
+    simgpu.compile_so(path, simgpu.NVML_SONAME)
+    lib = ctypes.CDLL(str(path))
+    lib.nvmlErrorString.restype = ctypes.c_char_p
+    for name in simgpu.NVML_ENTRY_POINTS:
+        assert hasattr(lib, name), name
+    assert lib.nvmlInit() == lib.nvmlInit_v2() == lib.nvmlInitWithFlags(0) == 9
+    assert lib.nvmlErrorString(9) == b"Driver Not Loaded"
+    count = ctypes.c_uint()
+    assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 1  # uninitialized
+    assert lib.nvmlSystemGetDriverVersion(ctypes.create_string_buffer(80), 80) == 1
+    assert lib.nvmlShutdown() == 0
+    stub = tmp_path / "stub" / "libnvidia-ml.so.1"
+    simgpu.compile_so(stub, simgpu.NVML_SONAME, nvml=False)
+    assert not hasattr(ctypes.CDLL(str(stub)), "nvmlInit")
+
+
+@needs_root
+def test_unloadable_libnvidia_ml_is_library_not_found(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    """A libnvidia-ml.so.1 dlopen refuses (another architecture) is no library at all."""
+    root = tree("driver")
+    standard_libs(root)
+    simgpu.aarch64_so(root.path / LIBDIR / f"libnvidia-ml.so.{VER}", simgpu.NVML_SONAME)
+    out = tmp_path / "nvidia.yaml"
+    result = generate(root.path, out, dev=dev_root.path, mode=None)
+    assert_failed(result, "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND")
+    assert generate(root.path, out, dev=dev_root.path).returncode == 0
+
+
+@needs_root
+def test_sandboxutils_without_its_init_kills_it_too(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    out = tmp_path / "nvidia.yaml"
+    name = f"libnvidia-sandboxutils.so.{VER}"
+    custom_lib(driver_root, name, "libnvidia-sandboxutils.so.1", "int fake_symbol;\n")
+    died_of_missing_symbol(generate(driver_root.path, out, dev=dev_root.path),
+                           "nvSandboxUtilsInit")
+    assert not out.exists()
+    os.unlink(driver_root.path / LIBDIR / name)
+    custom_lib(driver_root, name, "libnvidia-sandboxutils.so.1",
+               "int nvSandboxUtilsInit(void *input) { (void)input; return 0; }\n")
+    result = generate(driver_root.path, out, dev=dev_root.path)
+    assert result.returncode == 0, result.stderr
+    assert "Failed to init nvsandboxutils" in result.stderr
+    assert f"{CONTAINER_LIBDIR}/{name}" in mounts(load(out))
+
+
+@needs_root
+def test_nvml_scratch_root_is_never_left_behind(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    """The empty root the init runs in is gone when the stand-in is; one a SIGKILLed
+    stand-in left (the product kills an nvidia-ctk it no longer needs) is removed by the
+    next one, whatever else is there."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    stale = scratch / f".nvidia-ctk-nvml.{int(dead.stdout)}.1"
+    alive = scratch / f".nvidia-ctk-nvml.{os.getpid()}.1"
+    stale.mkdir()
+    alive.mkdir()
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, dev=dev_root.path, TMPDIR=str(scratch))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in scratch.iterdir()) == [alive.name]
+
+
+@needs_root
+def test_real_libnvidia_ml_answers_driver_not_loaded_and_touches_no_dev(
+    tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
+) -> None:
+    """Debian's real libnvidia-ml loads, its nvmlInit_v2 answers 9 without a GPU and
+    generation goes on in management mode. Run as root in place, that library mknods
+    /dev/nvidiactl and unlinks /dev/char/195:255 in the caller's /dev; the stand-in
+    calls it chrooted into an empty directory, so every write it attempts is there."""
+    try:
+        drv = realdriver.fetch_real_driver("amd64")
+    except realdriver.RealDriverUnavailable as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"real NVIDIA files unavailable: {e}")
+    root = tree("driver")
+    for lib in (f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}"):
+        target = root.path / LIBDIR / lib
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(drv.library(lib), target)
+        root.link(f"{LIBDIR}/{lib.split('.so.')[0]}.so.1", lib)
+    out = tmp_path / "out" / "nvidia.yaml"
+    result = generate(root.path, out, dev=dev_root.path, mode=None)
+    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    trace = tmp_path / "trace"
+    argv = ["strace", "-f", "-qq", "-y", "-o", str(trace), "-e", f"trace={TRACE_SET}",
+            str(FAKE), "cdi", "generate", f"--driver-root={root.path}",
+            f"--dev-root={dev_root.path}", f"--output={out}", "--mode=management"]
+    proc = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{CONTAINER_LIBDIR}/libnvidia-ml.so.{drv.version}" in mounts(load(out))
+    writes = [a for a in accesses(parse_calls(trace.read_text())) if a.kind == "write"]
+    nvml_dev = [a for a in writes if a.path.endswith("/dev/nvidiactl")]
+    assert nvml_dev, "the real nvmlInit_v2 was not called"
+    scratch = ("/tmp/.nvidia-ctk-nvml.", str(out.parent))
+    outside = [a for a in writes if not a.path.startswith(scratch)]
+    assert not outside, outside
 
 
 @needs_root

@@ -29,6 +29,9 @@ class Config:
     # Not in the original key list: a hung nvidia-ctk must not hold the boot forever.
     nvidia_ctk_timeout_seconds: float = 120.0
     ldconfig: str = "ldconfig"
+    # Also an addition: ldconfig stats every directory ld.so.conf names, and one on a hung
+    # network filesystem holds it (and the boot) as long as nothing kills it.
+    ldconfig_timeout_seconds: float = 120.0
     arch: str = "auto"
     staging_wait_seconds: float = 60.0
     lock_timeout_seconds: float = 300.0
@@ -38,7 +41,8 @@ class Config:
 
 
 _ABSOLUTE_KEYS = ("driver_root", "staging_glob", "cdi_spec")
-_NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "staging_wait_seconds", "lock_timeout_seconds")
+_NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "ldconfig_timeout_seconds", "staging_wait_seconds",
+                "lock_timeout_seconds")
 _LIST_KEYS = ("nvidia_ctk_args", "extra_library_prefixes")
 
 

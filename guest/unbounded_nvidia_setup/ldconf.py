@@ -106,7 +106,7 @@ def start_ldconfig(machine: Machine) -> Started:
     argv = [ldconfig, "-i", "-X"]
     if not machine.is_live:
         argv += ["-r", str(machine.root)]
-    return start(argv, timeout=120)
+    return start(argv, timeout=machine.config.ldconfig_timeout_seconds)
 
 
 def check_ldconfig(result: Result) -> None:

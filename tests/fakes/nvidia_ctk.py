@@ -21,11 +21,17 @@ internal/lookup, pkg/lookup).  It must fail wherever the real tool fails; it is 
 
 Deliberate simplifications (documented, deterministic under tests):
 
-* NVML cannot be loaded here.  It is simulated: it "initialises" only when
-  ``libnvidia-ml.so.1`` is found under the driver root AND ``FAKE_NVIDIA_CTK_GPUS`` lists
-  GPU UUIDs; its driver version is the version suffix of the file that link resolves to.
-  Otherwise NVML init fails with ERROR_LIBRARY_NOT_FOUND / ERROR_DRIVER_NOT_LOADED like the
-  real library on a machine without it / without a loaded kernel driver.
+* NVML: the ``libnvidia-ml.so.1`` found under the driver root is loaded (ctypes, as
+  go-nvml: ``RTLD_LAZY|RTLD_GLOBAL``) and its ``nvmlInit_v2`` (else ``nvmlInit``) called.
+  A library lacking both kills the process as it kills the real tool: ``<argv0>: symbol
+  lookup error: <argv0>: undefined symbol: nvmlInit``, exit status 127 (the real tool is a
+  lazily bound cgo binary); ``libnvidia-sandboxutils.so.1`` without ``nvSandboxUtilsInit``
+  likewise. No library, or one that cannot be loaded: ERROR_LIBRARY_NOT_FOUND. The init
+  runs in a child chrooted into an empty directory (the real library, as root, mknods
+  ``/dev/nvidiactl`` in the caller's /dev) and answers ERROR_DRIVER_NOT_LOADED on a
+  machine without a GPU, real library or simulated. Only ``FAKE_NVIDIA_CTK_GPUS`` makes
+  NVML "initialise", listing those GPUs; its driver version is then the version suffix of
+  the file that link resolves to.
 * ``--mode=auto``: the real tool asks go-nvlib for the platform (NVML / Tegra / WSL) and
   falls back to nvml ("Unsupported platform detected ... assuming nvml").  Tegra and WSL are
   not simulated, so auto always resolves to nvml here, exactly as on a non-Tegra, non-WSL
@@ -33,7 +39,8 @@ Deliberate simplifications (documented, deterministic under tests):
 * The ``<root>/etc/ld.so.cache`` fallback of the library locator is not implemented.
 * Helper binaries are searched only below the driver root in the default PATH dirs (the
   real tool also searches ``$PATH`` and the caller's own ``/usr/bin`` etc.).
-* Graphics files (EGL/Vulkan ICD json, Xorg modules), the MPS pipe dir, nvsandboxutils
+* Graphics files (EGL/Vulkan ICD json, Xorg modules), the MPS pipe dir, nvsandboxutils'
+  init (loaded and checked, then reported as failing, which the real tool ignores)
   and CSV/WSL/GDS/MOFED/gdrcopy/imex/nvswitch modes are not simulated (those modes fail
   with a "not simulated" error); so do ``--library-search-path``, ``--config-search-path``,
   ``--csv.*``, ``--feature-flag`` and ``--device-id`` values other than ``all``.
@@ -43,7 +50,8 @@ Deliberate simplifications (documented, deterministic under tests):
 Test knobs (environment):
 
   FAKE_NVIDIA_CTK_VERSION=1.17.8   version to impersonate (default 1.20.0)
-  FAKE_NVIDIA_CTK_GPUS=GPU-a,GPU-b simulated NVML GPUs (see above)
+  FAKE_NVIDIA_CTK_GPUS=GPU-a,GPU-b simulated NVML GPUs (see above; the library must
+                                   still load and export its init function)
   FAKE_NVIDIA_CTK_LOG=<file>       append ``json.dumps(sys.argv[1:])`` + newline per call
   FAKE_NVIDIA_CTK_HANG=1           ``cdi generate`` sleeps forever before discovery/writing
   FAKE_NVIDIA_CTK_SIGNAL=KILL|SEGV ``cdi generate`` kills itself with that signal
@@ -56,6 +64,7 @@ Test knobs (environment):
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import json
@@ -635,19 +644,131 @@ def is_lib_name(path: str) -> bool:
 # --------------------------------------------------------------------------- NVML + driver
 
 
+# go-nvml's names for the NVML return codes the stand-in can meet.
+NVML_RETURNS = {0: "SUCCESS", 1: "ERROR_UNINITIALIZED", 2: "ERROR_INVALID_ARGUMENT",
+                3: "ERROR_NOT_SUPPORTED", 9: "ERROR_DRIVER_NOT_LOADED",
+                12: "ERROR_LIBRARY_NOT_FOUND", 13: "ERROR_FUNCTION_NOT_FOUND",
+                999: "ERROR_UNKNOWN"}
+SANDBOXUTILS_LIBRARY = "libnvidia-sandboxutils.so.1"
+
+
+def symbol_lookup_error(symbol: str) -> NoReturn:
+    """How the real tool dies when a library it loaded lacks a function it calls: it is
+    a cgo binary, lazily bound, so glibc's ld.so fails the call itself, prints this line
+    and exits 127 (FACTS.md). No Go log line, no cleanup."""
+    prog = sys.argv[0] if sys.argv and sys.argv[0] else "nvidia-ctk"
+    sys.stdout.flush()
+    sys.stderr.write(f"{prog}: symbol lookup error: {prog}: undefined symbol: {symbol}\n")
+    sys.stderr.flush()
+    os._exit(127)
+
+
+def load_library(path: str) -> Any:
+    """dlopen(path, RTLD_LAZY|RTLD_GLOBAL) as go-nvml's dl package does; None when it
+    cannot be loaded (another architecture, not ELF, missing dependencies)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_LAZY | os.RTLD_GLOBAL)
+    except OSError:
+        return None
+
+
+_SCRATCH_PREFIX = ".nvidia-ctk-nvml."
+
+
+def _remove_stale_scratch(tmp: str) -> None:
+    """Empty roots of stand-ins that were SIGKILLed in the instant between making theirs
+    and removing it (the product kills an nvidia-ctk whose answer it no longer needs)."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(_SCRATCH_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_SCRATCH_PREFIX):].split(".", 1)[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(tmp, name))
+        except (ValueError, PermissionError):
+            continue
+
+
+def call_isolated(function: Callable[[], int]) -> int:
+    """Call an NVML init function and return its result, in a child process that, when it
+    may, chroots into an empty directory first. The real libnvidia-ml, run as root,
+    mknods /dev/nvidiactl, unlinks /dev/char/<major>:<minor> and looks for modprobe in
+    the caller's root (seen with Debian's 535.309.01): on a test machine that must not
+    happen. In an empty root it finds no /proc, /sys or /dev and answers what it answers
+    without a loaded kernel module. The directory is removed as soon as the child is in
+    it (nothing can be made in a removed directory). Where chroot is not permitted (the
+    unit's capability bounding set in a booted test machine) the call happens in place,
+    as the real tool's would."""
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    _remove_stale_scratch(tmp)
+    empty = os.path.join(tmp, f"{_SCRATCH_PREFIX}{os.getpid()}.{time.monotonic_ns()}")
+    os.mkdir(empty, 0o700)
+    try:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (child)
+            try:
+                os.close(read_end)
+                try:
+                    os.chroot(empty)
+                    os.chdir("/")
+                except PermissionError:
+                    pass
+                os.write(write_end, b"\n")  # in its root: the parent may remove it
+                os.write(write_end, str(function()).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as answer:
+            ready = answer.read(1)
+            os.rmdir(empty)
+            text = answer.read().decode() if ready else ""
+        os.waitpid(pid, 0)
+    finally:
+        if os.path.isdir(empty):
+            os.rmdir(empty)
+    return int(text) if text.strip().lstrip("-").isdigit() else 999
+
+
 @dataclass
-class FakeNvml:
-    """Stand-in for go-nvml: see the module docstring."""
+class Nvml:
+    """go-nvml against the libnvidia-ml.so.1 found in the driver root.
+
+    The library is loaded as go-nvml loads it and its init function is resolved as
+    go-nvml's updateVersionedSymbols does (nvmlInit_v2, else nvmlInit). A library
+    without either kills the process like the real tool (symbol_lookup_error); one that
+    cannot be loaded is ERROR_LIBRARY_NOT_FOUND. The init is then really called
+    (call_isolated): 9, ERROR_DRIVER_NOT_LOADED, from the real and the simulated library
+    on a machine without a GPU. FAKE_NVIDIA_CTK_GPUS stands for a GPU machine: NVML
+    initialises and lists those GPUs, without calling the library's init."""
 
     library: str | None
     gpus: list[str]
+    result: int = 12
+
+    @classmethod
+    def load(cls, library: str | None, gpus: list[str]) -> Nvml:
+        nvml = cls(library, gpus)
+        loaded = load_library(library) if library is not None else None
+        if loaded is None:
+            return nvml
+        name = next((n for n in ("nvmlInit_v2", "nvmlInit") if hasattr(loaded, n)), None)
+        if name is None:
+            symbol_lookup_error("nvmlInit")
+        init: Callable[[], int] = getattr(loaded, name)
+        nvml.result = 0 if gpus else call_isolated(init)
+        return nvml
 
     def init_error(self) -> str | None:
-        if self.library is None:
-            return "ERROR_LIBRARY_NOT_FOUND"
-        if not self.gpus:
-            return "ERROR_DRIVER_NOT_LOADED"
-        return None
+        if self.result == 0:
+            return None
+        return NVML_RETURNS.get(self.result, f"unknown return value: {self.result}")
 
     def driver_version(self) -> str:
         error = self.init_error()
@@ -658,6 +779,22 @@ class FakeNvml:
         if not re.fullmatch(r"\d+(\.\d+)+", version):
             raise CtkError("failed to get driver version: ERROR_UNKNOWN")
         return version
+
+
+def init_sandboxutils(log: Logger, root: str) -> None:
+    """nvsandboxutils, when the driver root has it: loaded and its nvSandboxUtilsInit
+    resolved like NVML's init (missing: the same death). Its init takes a versioned
+    struct this stand-in does not build; it is reported as failing, which the real tool
+    ignores with this warning (it then finds the driver files without it)."""
+    locator = Locator(log, root, LIBRARY_SEARCH_DIRS, resolve=True, required=False)
+    found = locator.locate(SANDBOXUTILS_LIBRARY)
+    loaded = load_library(found[0]) if found else None
+    if loaded is None:
+        return
+    if not hasattr(loaded, "nvSandboxUtilsInit"):
+        symbol_lookup_error("nvSandboxUtilsInit")
+    log.warning("Failed to init nvsandboxutils: ERROR_NOT_SUPPORTED (not simulated by this "
+                "test stand-in); ignoring")
 
 
 class Driver:
@@ -1092,7 +1229,7 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
         log.warning(f"Ignoring error in locating libnvidia-ml.so.1: {exc}")
         nvml_library = None
     gpus = [g.strip() for g in os.environ.get("FAKE_NVIDIA_CTK_GPUS", "").split(",") if g.strip()]
-    nvml = FakeNvml(nvml_library, gpus)
+    nvml = Nvml.load(nvml_library, gpus)
     try:
         nvml_version = nvml.driver_version()
     except CtkError as exc:
@@ -1124,6 +1261,7 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
         if not nodes.device_nodes:
             raise CtkError("failed to create device CDI specs: no NVIDIA device nodes found")
         devices.append(("all", nodes))
+        init_sandboxutils(log, opts.driver_root)
         try:
             common = driver_edits(log, driver, hooks, ctk)
         except CtkError as exc:
@@ -1138,6 +1276,7 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
                 "failed to create device CDI specs: failed to construct device spec "
                 f"generators: failed to initialize NVML: {error}"
             )
+        init_sandboxutils(log, opts.driver_root)
         for index, uuid in enumerate(nvml.gpus):
             gpu_edits = device_edits(log, opts.dev_root, [f"/dev/nvidia{index}"], ctk)
             for name in device_names(opts.strategies, index, uuid):
