@@ -29,6 +29,9 @@ in the same invocation):
                  sendfile; `cp -a` falls back to read/write. Cold runs and the baseline
                  alternate, each on one filesystem and across two (not a target:
                  reported).
+  metrics        cold and warm runs with node_exporter's textfile directory present
+                 (the tool writes its metrics file) vs absent, alternating; issue 10's
+                 limit is 3% (reported, not a target).
   rss            peak RSS of the tool's own process in a cold run (VmHWM; see peak_rss),
                  at scale 1.0 and with the payload doubled (scale 2.0).
   version        `unbounded-nvidia-setup --version` vs `python -c pass`, same interpreter.
@@ -703,8 +706,21 @@ def _check_memory(need_gib: float) -> None:
                                      f"tmpfs, {have:.1f} GiB available")
 
 
+def metrics_dir(bench: Bench) -> Path:
+    """node_exporter's textfile directory under the machine (the config's default
+    `metrics_dir`): the tool writes metrics exactly when it exists."""
+    return bench.root / "var/lib/prometheus/node-exporter"
+
+
+def set_metrics(bench: Bench, on: bool) -> None:
+    if on:
+        metrics_dir(bench).mkdir(parents=True, exist_ok=True)
+    else:
+        shutil.rmtree(metrics_dir(bench), ignore_errors=True)
+
+
 def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
-              pairs_xfs: int) -> dict[str, Any]:
+              pairs_xfs: int, pairs_metrics: int) -> dict[str, Any]:
     _check_memory(6.0)
     info = machine_info()
     if info["loadavg_start"] > 0.7:
@@ -713,7 +729,8 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
     series: dict[str, Series] = {k: Series() for k in (
         "version", "python_pass", "module_version", "cold", "warm", "baseline", "cold_30k",
         "cold_x1", "cold_x2", "baseline_x1", "baseline_x2", "cold_same_fs", "cold_xfs",
-        "baseline_same_fs", "baseline_xfs")}
+        "baseline_same_fs", "baseline_xfs", "cold_metrics_off", "cold_metrics_on",
+        "warm_metrics_off", "warm_metrics_on")}
     rss: dict[str, list[Rss]] = {"x1": [], "x2": []}
     payload: dict[str, int] = {}
     entries: dict[str, int] = {}
@@ -755,6 +772,23 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
                 f"{series['baseline'].samples[-1]:.2f} s, cold 30k "
                 f"{series['cold_30k'].samples[-1]:.2f} s")
         remove_machine(large)
+
+        # Metrics on (node_exporter's directory exists) vs off (it does not: no file, no
+        # error), cold and warm, the order flipped every round.
+        log(f"metrics on / off: cold and warm, {pairs_metrics} alternating rounds")
+        for i in range(pairs_metrics):
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                set_metrics(small, on)
+                key = "on" if on else "off"
+                series[f"cold_metrics_{key}"].samples.append(timed_cold(small))
+                series[f"warm_metrics_{key}"].samples.append(run(small.tool_argv()).seconds)
+            log(f"  round {i + 1}: cold {series['cold_metrics_off'].samples[-1]:.3f} s / "
+                f"{series['cold_metrics_on'].samples[-1]:.3f} s, warm "
+                f"{series['warm_metrics_off'].samples[-1]:.3f} s / "
+                f"{series['warm_metrics_on'].samples[-1]:.3f} s (metrics off / on)")
+        if not any(metrics_dir(small).glob("*.prom")):
+            raise BenchError("the tool wrote no metrics file with metrics on")
+        set_metrics(small, False)
 
         log(f"staging on another filesystem: cold and baseline, same-fs / cross-fs, "
             f"{pairs_xfs} alternating rounds")
@@ -803,7 +837,7 @@ def benchmark(pairs: int, pairs_x2: int, rounds_version: int,
             "benchmark: figures that rely on the second core (cold/baseline) suffer most")
     return summarize(info, series, rss, floor_kib, payload, entries,
                      {"pairs": pairs, "pairs_x2": pairs_x2, "rounds_version": rounds_version,
-                      "pairs_xfs": pairs_xfs})
+                      "pairs_xfs": pairs_xfs, "pairs_metrics": pairs_metrics})
 
 
 def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, list[Rss]],
@@ -842,6 +876,8 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
         "baseline_xfs_over_same_fs": med["baseline_xfs"] / med["baseline_same_fs"],
         "cold_baseline_same_fs_phase": med["cold_same_fs"] / med["baseline_same_fs"],
         "cold_baseline_xfs": med["cold_xfs"] / med["baseline_xfs"],
+        "cold_metrics_on_over_off": med["cold_metrics_on"] / med["cold_metrics_off"],
+        "warm_metrics_on_over_off": med["warm_metrics_on"] / med["warm_metrics_off"],
     }
     targets = [{"key": key, "label": label, "value": round(figures[key], 4), "limit": limit,
                 "pass": figures[key] <= limit} for key, label, limit in TARGETS]
@@ -853,7 +889,9 @@ def summarize(info: dict[str, Any], series: dict[str, Series], rss: dict[str, li
             f"{med['python_pass'] * 1000:.1f} ms) cross-fs cold/baseline "
             f"{extra['cold_baseline_xfs']:.2f} ({med['cold_xfs']:.2f} s / "
             f"{med['baseline_xfs']:.2f} s; same-fs in those rounds "
-            f"{extra['cold_baseline_same_fs_phase']:.2f})")
+            f"{extra['cold_baseline_same_fs_phase']:.2f}) metrics on/off cold "
+            f"{extra['cold_metrics_on_over_off']:.3f} warm "
+            f"{extra['warm_metrics_on_over_off']:.3f}")
     return {
         "summary": line,
         "machine": info,
@@ -911,6 +949,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         "baseline_same_fs": "baseline script, alternating with the cross-fs runs",
         "cold_xfs": "cold `run`, /run/nvidia on another filesystem than staging (sendfile)",
         "baseline_xfs": "baseline script, /run/nvidia on another filesystem than staging",
+        "cold_metrics_off": "cold `run`, no metrics dir, alternating with metrics on",
+        "cold_metrics_on": "cold `run`, metrics written to node_exporter's directory",
+        "warm_metrics_off": "warm `run`, no metrics dir",
+        "warm_metrics_on": "warm `run`, metrics written",
     }
     for key, label in labels.items():
         q1, _, q3 = statistics.quantiles(result["samples_seconds"][key], n=4)
@@ -929,9 +971,13 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"rounds {ex['cold_baseline_same_fs_phase']:.2f}); cross-fs / same-fs: cold "
             f"{ex['cold_xfs_over_same_fs']:.2f}, baseline "
             f"{ex['baseline_xfs_over_same_fs']:.2f}.", "",
+            f"Metrics on / off (node_exporter's textfile directory present or not): cold "
+            f"{ex['cold_metrics_on_over_off']:.3f}, warm {ex['warm_metrics_on_over_off']:.3f}.",
+            "",
             f"Rounds: {result['rounds']['pairs']} (cold/warm/baseline/30k), "
             f"{result['rounds']['pairs_x2']} (x1/x2 payload), "
             f"{result['rounds']['pairs_xfs']} (same-fs/cross-fs), "
+            f"{result['rounds']['pairs_metrics']} (metrics off/on), "
             f"{result['rounds']['rounds_version']} (--version), alternating. Machine: "
             f"{m['nproc']} CPUs ({m['cpu']}), {m['memory']}, kernel {m['kernel']}, "
             f"{m['os']}, {m['python']}, {m['filesystem']}; product {m['product']} at "
@@ -1115,6 +1161,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs-xfs", type=int, default=11,
                         help="alternating rounds of same-fs and cross-fs cold runs and the "
                              "cross-fs baseline (default 11)")
+    parser.add_argument("--pairs-metrics", type=int, default=21,
+                        help="alternating rounds of cold and warm runs with metrics off and "
+                             "on (default 21)")
     parser.add_argument("--pairs-x2", type=int, default=11,
                         help="alternating rounds of payload x1 and x2 (default 11)")
     parser.add_argument("--version-rounds", type=int, default=60,
@@ -1136,7 +1185,8 @@ def main(argv: list[str]) -> int:
     if not TOOL.exists():
         print(f"bench: {TOOL} missing; run `make venv`", file=sys.stderr)
         return 2
-    if min(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs) < 1:
+    if min(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs,
+           args.pairs_metrics) < 1:
         print("bench: rounds must be at least 1", file=sys.stderr)
         return 2
     if not (0 < args.scale <= 2 and 0 < args.entries <= 100_000):
@@ -1150,7 +1200,8 @@ def main(argv: list[str]) -> int:
         if args.profile:
             profile(args.top, 3, args.entries, args.scale)
             return 0
-        result = benchmark(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs)
+        result = benchmark(args.pairs, args.pairs_x2, args.version_rounds, args.pairs_xfs,
+                           args.pairs_metrics)
     except BenchError as e:
         print(f"bench: FAILED: {e}", file=sys.stderr)
         return 1
