@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from check_schema import check_report
 from invariants import (
     Call,
     Traced,
     parse_calls,
     product_argv,
     product_env,
+    run_cli,
     secure_after,  # noqa: F401  (fixture)
     traced,
     unquote,
@@ -231,9 +233,7 @@ def test_copy_across_filesystems_falls_back_to_sendfile(m: simgpu.SimMachine,
 
 
 def check_json_ok(m: simgpu.SimMachine) -> bool:
-    proc = subprocess.run(product_argv(m.root, "check"), capture_output=True, text=True,
-                          env=product_env(), stdin=subprocess.DEVNULL, timeout=60)
-    return proc.returncode == 0 and proc.stdout.strip() == "ok"
+    return bool(check_report(run_cli(m.root, "check", "--json"))["ok"])
 
 
 # --------------------------------------------------------------------------------------

@@ -137,7 +137,9 @@ def test_plain_ldconfig_after_a_good_run_keeps_check_ok(tmp_path: Path, cli: Cli
 
 def corrupting_ldconfig(m: simgpu.SimMachine, tmp_path: Path, version: str) -> Path:
     """The real ldconfig, which on its first call that builds the cache then points the
-    driver root's libnvidia-ml.so.1 at another library: what a stale aux cache did."""
+    driver root's libnvidia-cfg.so.1 at another library: what a stale aux cache did.
+    (Not libnvidia-ml.so.1: ldconfig runs beside nvidia-ctk, which loads that one, so
+    whether nvidia-ctk or the end-state check failed the run would be a race.)"""
     armed = tmp_path / "armed"
     armed.touch()
     lib = root_of(m) / "lib" / MA
@@ -147,7 +149,7 @@ def corrupting_ldconfig(m: simgpu.SimMachine, tmp_path: Path, version: str) -> P
         f'"{LDCONFIG}" "$@" || exit $?\n'
         '[ "$1" = -p ] && exit 0\n'
         f'rm "{armed}" 2>/dev/null || exit 0\n'
-        f'ln -sfn libnvidia-tls.so.{version} "{lib}/libnvidia-ml.so.1"\n')
+        f'ln -sfn libnvidia-tls.so.{version} "{lib}/libnvidia-cfg.so.1"\n')
     script.chmod(0o755)
     m.write_config(ldconfig=str(script))
     return armed
@@ -159,7 +161,7 @@ def fails_with_wrong_end_state(cli: Cli, m: simgpu.SimMachine) -> str:
     assert "Ready" not in out.stderr
     assert len(out.errors) == 1, out.lines
     assert "the live state is wrong after setup" in out.errors[0]
-    assert "libnvidia-ml.so.1" in out.errors[0]
+    assert "[root-wrong-link]" in out.errors[0] and "libnvidia-cfg.so.1" in out.errors[0]
     return out.errors[0]
 
 
