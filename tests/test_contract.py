@@ -19,7 +19,11 @@ import pytest
 
 import check_schema
 import hostcmd
-from invariants import secure_after  # noqa: F401  (fixture)
+from invariants import (
+    product_argv,
+    product_env,
+    secure_after,  # noqa: F401  (fixture)
+)
 
 import simgpu
 from conftest import Cli, needs_root
@@ -144,6 +148,31 @@ def test_a_whole_state_while_a_run_holds_the_lock_is_ready(
         live: simgpu.SimMachine, cli: Cli) -> None:
     report = check_json(cli, live)
     assert (report["setup_running"], report["verdict"]) == (True, "ready")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@pytest.mark.usefixtures("run_in_progress")
+def test_a_read_torn_by_a_run_is_setup_running(live: simgpu.SimMachine, tmp_path: Path) -> None:
+    """A run deletes the old generation after its swap while an unlocked `check` walks the
+    root: the walk's lstat of a library finds it gone. strace makes exactly that call fail
+    with ENOENT (found from a trace of the same check): one problem, `setup-running`,
+    verdict not-ready-yet, no traceback."""
+    argv = product_argv(live.root, "check", "--json")
+    trace = tmp_path / "stat.trace"
+    subprocess.run(["strace", "-qq", "-o", str(trace), "-e", "trace=newfstatat", *argv],
+                   capture_output=True, env=product_env(), check=False, timeout=60)
+    calls = [line for line in trace.read_text().splitlines() if "newfstatat(" in line]
+    lib = f"{root_of(live)}/lib/{MA}/lib"
+    # An lstat (not os.walk's is_dir, which takes an error for "not a directory").
+    when = next(n for n, line in enumerate(calls, 1)
+                if f'"{lib}' in line and line.endswith("AT_SYMLINK_NOFOLLOW) = 0"))
+    proc = subprocess.run(["strace", "-qq", "-o", "/dev/null", "-e", "trace=newfstatat",
+                           "-e", f"inject=newfstatat:error=ENOENT:when={when}", *argv],
+                          capture_output=True, text=True, env=product_env(), timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    report = check_schema.parse_check(proc.stdout, proc.returncode)
+    assert [p["code"] for p in report["problems"]] == ["setup-running"], report["problems"]
+    assert report["verdict"] == "not-ready-yet" and report["setup_running"] is True
 
 
 def test_check_creates_no_lock_file(m: simgpu.SimMachine, cli: Cli) -> None:

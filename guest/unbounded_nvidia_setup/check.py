@@ -241,6 +241,27 @@ def collect(machine: Machine, want: Manifest | None = None) -> Report:
     return report
 
 
+def collect_beside(machine: Machine, busy: bool) -> Report:
+    """`check`'s report. `busy`: a run or clean holds the lock and `check` reads without it
+    (lock.shared_or_busy). Each file it reads is whole (replaced by rename), but a walk of
+    the root can meet a generation the run is deleting after its swap, or a name the swap
+    has just moved: then the report says that a setup is changing the state, nothing
+    more, and the verdict is "not ready yet"."""
+    if not busy:
+        return collect(machine)
+    try:
+        report = collect(machine)
+    except OSError as e:
+        report = Report(gpu=discover.has_gpu(machine), driver_version=None,
+                        module_version=discover.module_version(machine))
+        report.problems.append(Problem(
+            "setup-running", f"{e.filename or machine.driver_root} changed while check read "
+            f"it: a run holding {machine.lock_file} is replacing the state; check again when "
+            "it ends", str(machine.lock_file)))
+    report.setup_running = True
+    return report
+
+
 def render_status(machine: Machine, report: Report) -> str:
     root = report.sections.get("driver_root", {})
     spec = report.sections.get("cdi_spec", {})

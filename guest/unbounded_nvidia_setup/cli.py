@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from .check import collect, unit_state
+    from .check import collect_beside, unit_state
     from .lock import shared_or_busy
 
     def action() -> int:
@@ -78,8 +78,7 @@ def check(args: argparse.Namespace) -> int:
         # Never waits behind a run (lock.shared_or_busy says why): a host agent asking
         # "ready?" during a boot's setup gets "not ready yet" now, not in 300 s.
         with shared_or_busy(machine) as busy:
-            report = collect(machine)
-        report.setup_running = busy
+            report = collect_beside(machine, busy)
         report.unit = unit_state(machine)
         if args.metrics:
             from .metrics import write_check

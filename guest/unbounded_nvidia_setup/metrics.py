@@ -44,7 +44,7 @@ _CARRY_MAX = 1 << 16
 # Every problem code `check` can report (docs/problems.md; tests keep the three in step).
 # Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
 PROBLEM_CODES = (
-    "stale-state", "staging-missing", "staging-invalid",
+    "stale-state", "staging-missing", "staging-invalid", "setup-running",
     "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
     "root-missing-library", "root-library-not-regular", "root-missing-link",
     "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
