@@ -12,7 +12,9 @@ N whose call creates a file count. Two kinds of point:
   fewest), at most MAX_POINTS per class, and only N that some thread makes on every run
   however the copies fall between the worker threads, so every kill lands;
 * by purpose: the first and last call of each class made for one of PURPOSES (the spec,
-  the drop-in, a log line), found by the path it acts on. Only calls no other thread
+  the drop-in, the metrics file, a log line), found by the path it acts on (a call
+  relative to a directory's descriptor, like the metrics file's, by the path it resolves
+  to). Only calls no other thread
   can reach first are aimed at (the spec's fchmod is not: the copy workers make more),
   and the injected run's own trace must show the kill landed on that call. `write` has
   only these: by index, its points all landed on log lines.
@@ -21,7 +23,8 @@ After every kill: the driver root is absent (first boot only) or exactly one com
 generation, byte for byte the manifest a successful run makes (old or new driver); the
 spec is absent (first boot only) or exactly one complete spec (old or new: a complete
 spec naming the other generation's files is not torn, the next run replaces it); nothing
-in /etc/cdi that containerd would read as a spec. Then the next `run` succeeds, makes the
+in /etc/cdi that containerd would read as a spec; the metrics file a complete one (the
+previous run's or this run's, never cut or empty). Then the next `run` succeeds, makes the
 new generation and spec, and removes every leftover. Each test prints its counts.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import pytest
@@ -53,6 +58,7 @@ from invariants import (
     run_cli,
     secure_after,  # noqa: F401  (fixture)
 )
+from unbounded_nvidia_setup import metrics
 from unbounded_nvidia_setup.plan import Manifest
 from unbounded_nvidia_setup.tree import manifest
 
@@ -70,7 +76,8 @@ NEW = "570.133.20"
 # Every class of syscall the run uses to create, write, link, rename, exchange and delete.
 KILL_CLASSES: dict[str, str] = {
     "mkdir": "create a directory (generation, its subdirs, the work dir)",
-    "openat": "create a file (O_CREAT: each copy, the spec and drop-in temp files, lock)",
+    "openat": "create a file (O_CREAT: each copy, the spec, drop-in and metrics temp "
+              "files, lock)",
     "copy_file_range": "copy a driver file's data (in the kernel, on the worker threads)",
     "fchown": "give a copy to root:root",
     "fchmod": "set a copy's mode (and a temp file's)",
@@ -79,11 +86,13 @@ KILL_CLASSES: dict[str, str] = {
     "symlink": "make a SONAME or linker-name link",
     "renameat2": "exchange the new generation with the live root",
     "rename": "first-boot rename of the generation; install spec and drop-in",
+    "renameat": "install the metrics file (by name relative to its directory's fd)",
     "unlink": "delete a file or link (work dir, old generation entries)",
-    "unlinkat": "delete entries of a generation or the work dir (rmtree)",
+    "unlinkat": "delete entries of a generation or the work dir (rmtree); clear a "
+                "metrics temp file a killed writer left",
     "rmdir": "delete a directory",
-    "fsync": "sync the spec / drop-in temp file or their directory",
-    "write": "write the spec or drop-in temp file (and log lines)",
+    "fsync": "sync the spec / drop-in / metrics temp file or their directory",
+    "write": "write the spec, drop-in or metrics temp file (and log lines)",
 }
 LADDER = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89)
 MAX_POINTS = 6
@@ -92,21 +101,29 @@ MAX_POINTS = 6
 # descriptor's path). Every class gets a point at the first and last of its calls for
 # each purpose (when strace can single that call out: see Point); `write` gets only
 # these, since by index its points all landed on log lines. A new file the run writes
-# (the metrics file) is one more line here, and its name in WRITES.
+# is one more line here (temp file, file, directory: in that order), and its name in
+# WRITES.
+METRICS_DIR = "/var/lib/prometheus/node-exporter"  # metrics_dir's default, under --root
 PURPOSES: dict[str, tuple[str, ...]] = {
     "spec": ("/etc/cdi/.nvidia.yaml.*.tmp", "/etc/cdi/nvidia.yaml", "/etc/cdi"),
     "drop-in": ("/etc/ld.so.conf.d/.unbounded-nvidia-setup.conf.*.tmp",
                 "/etc/ld.so.conf.d/unbounded-nvidia-setup.conf", "/etc/ld.so.conf.d"),
+    "metrics": (f"{METRICS_DIR}/.{metrics.FILE}.tmp", f"{METRICS_DIR}/{metrics.FILE}",
+                METRICS_DIR),
     "log": ("pipe:*",),  # stderr, a pipe under these tests: one log line
 }
 # Classes a scenario makes no call of, and why; any other empty point list fails (CI).
 NOT_MADE = {("first-boot", "renameat2"): "no live root to exchange with: the first "
             "generation is renamed into place"}
-# The files each scenario writes atomically (the drop-in is already right on a swap): each
-# must have an aimed point at every step below, and `write` one at a log line besides.
-# (The temp file's fchmod cannot be aimed at: the copy workers make more fchmod calls.)
+# The files each scenario writes atomically (the drop-in is already right on a swap; every
+# run writes the metrics): each must have an aimed point at every step below, and `write`
+# one at a log line besides. The metrics file is renamed by renameat (relative to its
+# directory's descriptor), the others by rename. (A temp file's fchmod cannot be aimed
+# at: the copy workers make more fchmod calls.)
 ATOMIC_STEPS = ("openat", "write", "fsync", "rename")
-WRITES: dict[str, set[str]] = {"first-boot": {"spec", "drop-in"}, "new-driver": {"spec"}}
+RENAME_BY = {"metrics": "renameat"}  # the syscall of the "rename" step, when not rename
+WRITES: dict[str, set[str]] = {"first-boot": {"spec", "drop-in", "metrics"},
+                               "new-driver": {"spec", "metrics"}}
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +140,7 @@ class Swapper:
     module: dict[str, str]
     current: str
     good: dict[str, tuple[Manifest, bytes]] = field(default_factory=dict)
+    metrics_shape: frozenset[str] = frozenset()  # of a complete metrics file (learn)
 
     def use(self, version: str) -> None:
         if version == self.current:
@@ -154,6 +172,39 @@ class Swapper:
             out = run_cli(self.m.root, "run")
             assert out.code == 0, out.stderr
             self.good[version] = (manifest_of(self.m), spec_of(self.m).read_bytes())
+        shape = metrics_shape(metrics_of(self.m).read_bytes())
+        assert shape, "no metrics written"
+        self.metrics_shape = shape
+
+
+def metrics_of(m: simgpu.SimMachine) -> Path:
+    return m.root / METRICS_DIR.lstrip("/") / metrics.FILE
+
+
+def metrics_shape(text: bytes) -> frozenset[str]:
+    """What every complete metrics file has, whichever run wrote it: its lines with the
+    values taken out (sample values, label values: the driver version differs). Empty
+    when a line is cut or a sample's value is not a number: a torn file."""
+    if not text.endswith(b"\n"):
+        return frozenset()
+    shape = set()
+    for line in text.decode(errors="replace").splitlines():
+        if not line.startswith("#"):
+            line, _, number = line.rpartition(" ")
+            try:
+                float(number)
+            except ValueError:
+                return frozenset()
+        shape.add(re.sub(r'="(?:[^"\\]|\\.)*"', '=""', line))
+    return frozenset(shape)
+
+
+def assert_metrics_whole(s: Swapper) -> None:
+    """The metrics file is a complete one (the previous run's or this run's): never
+    missing, empty or cut, whatever the run was doing when it died."""
+    path = metrics_of(s.m)
+    assert path.is_file(), "metrics file missing"
+    assert metrics_shape(path.read_bytes()) == s.metrics_shape, "torn metrics file"
 
 
 def manifest_of(m: simgpu.SimMachine) -> Manifest:
@@ -165,6 +216,8 @@ def manifest_of(m: simgpu.SimMachine) -> Manifest:
 def swapper(tmp_path: Path, real: realdriver.RealDriver | None = None) -> Swapper:
     m = simgpu.make_machine(tmp_path / "root", stale_versions=())
     m.write_config()
+    # node_exporter's textfile directory: every run writes the metrics file there.
+    (m.root / METRICS_DIR.lstrip("/")).mkdir(parents=True)
     version_file = m.root / "proc/driver/nvidia/version"
     module = {m.version: version_file.read_text()}
     other = tmp_path / "stage-other"
@@ -317,11 +370,12 @@ def kill_points(scenario: str, s: Swapper) -> dict[str, list[Point]]:
         s.prepare(scenario)
         points = profile(s.m, list(KILL_CLASSES))
         for step in ATOMIC_STEPS:
-            need = WRITES[scenario] | ({"log"} if step == "write" else set())
-            have = {p.purpose for p in points[step] if p.purpose}
-            assert need <= have, (
-                f"{scenario}: no {step} point for {sorted(need - have)}; "
-                f"the {step} calls aimable: {[p.path for p in points[step]]}")
+            for purpose in sorted(WRITES[scenario] | ({"log"} if step == "write" else set())):
+                syscall = RENAME_BY.get(purpose, step) if step == "rename" else step
+                have = {p.purpose for p in points[syscall] if p.purpose}
+                assert purpose in have, (
+                    f"{scenario}: no {syscall} point for {purpose}; the {syscall} calls "
+                    f"aimable: {[p.path for p in points[syscall]]}")
         _PROFILES[scenario] = points
     return _PROFILES[scenario]
 
@@ -444,14 +498,24 @@ def recovered(s: Swapper, version: str) -> None:
     assert not os.path.lexists(m.root / "run/unbounded-nvidia-setup")
     assert os.listdir(m.root / "etc/cdi") == ["nvidia.yaml"]
     assert os.listdir(m.root / "etc/ld.so.conf.d") == ["unbounded-nvidia-setup.conf"]
+    assert os.listdir(metrics_of(m).parent) == [metrics.FILE]
+    assert_metrics_whole(s)
 
 
-def kill_matrix(s: Swapper, scenario: str, points: list[Point]) -> Tally:
+def kill_matrix(s: Swapper, scenario: str, points: list[Point],
+                targets: list[str] | None = None) -> Tally:
     """Kill at every point; a point whose state or recovery is wrong is recorded in
-    `broken` (the callers fail on it) and the next point still runs."""
+    `broken` (the callers fail on it) and the next point still runs. `targets`: the
+    version each point's run must swap to (its point was profiled on that swap); when
+    the next swap would go the other way, a plain run swaps first."""
     tally = Tally(points=[str(p) for p in points])
-    for point in points:
+    for i, point in enumerate(points):
+        if targets is not None and s.other() != targets[i]:
+            s.use(s.other())
+            out = run_cli(s.m.root, "run")
+            assert out.code == 0, out.stderr
         target = s.prepare(scenario)
+        previous = metrics_of(s.m).read_bytes()
         run = run_injected(s.m, point, "signal=KILL")
         if point.purpose is not None:  # singled out: the kill must land on that call
             assert run.killed and run.landed(point), (
@@ -461,6 +525,10 @@ def kill_matrix(s: Swapper, scenario: str, points: list[Point]) -> Tally:
         tally.missed += not run.killed
         try:
             assert_whole(s, may_be_absent=scenario == "first-boot")
+            assert_metrics_whole(s)
+            if point.purpose == "metrics" and point.path == PURPOSES["metrics"][0]:
+                # Killed at a call on the temp file: the new file is not in place yet.
+                assert metrics_of(s.m).read_bytes() == previous, "metrics changed early"
             recovered(s, target)
         except AssertionError as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -508,13 +576,14 @@ def test_sigkill_at_every_mutating_step_leaves_whole_state(
 
 
 REAL_CLASSES = ("mkdir", "openat", "copy_file_range", "symlink", "renameat2", "rename",
-                "unlinkat", "fsync", "write")
+                "renameat", "unlinkat", "fsync", "write")
 
 
 def test_sigkill_while_swapping_to_the_real_driver(tmp_path: Path) -> None:
     """The same, swapping between a simulated 550 driver and the real Debian 535 one
-    (about 300 MB of real libraries): kill points at the first and last call of each
-    class, and at every call singled out by its purpose (the spec's write among them)."""
+    (about 300 MB of real libraries), both ways: kill points at the first and last call
+    of each class, and at every call singled out by its purpose (the spec's and the
+    metrics file's write among them)."""
     try:
         real = realdriver.fetch_real_driver("amd64")
     except realdriver.RealDriverUnavailable as e:
@@ -523,14 +592,24 @@ def test_sigkill_while_swapping_to_the_real_driver(tmp_path: Path) -> None:
         pytest.skip(f"real NVIDIA files unavailable: {e}")
     s = swapper(tmp_path, real)
     s.learn()
-    s.use(s.other())
-    points = profile(s.m, list(REAL_CLASSES))
+    # The two swaps make different numbers of calls (the real driver has many more files
+    # to verify before the metrics are written): each point is profiled on, and run on,
+    # the swap to one version. Both directions, alternating, so no run is spent on
+    # turning back.
+    profiles = {}
+    for _ in range(2):
+        target = s.prepare("new-driver")
+        profiles[target] = profile(s.m, list(REAL_CLASSES))
     total = Tally()
     for syscall in REAL_CLASSES:
-        ends = points[syscall][:1] + points[syscall][-1:]
-        chosen = sorted({*ends, *(p for p in points[syscall] if p.purpose)},
-                        key=lambda p: p.when)
-        tally = kill_matrix(s, "new-driver", chosen)
+        jobs = []
+        for target, points in profiles.items():
+            ends = points[syscall][:1] + points[syscall][-1:]
+            chosen = sorted({*ends, *(p for p in points[syscall] if p.purpose)},
+                            key=lambda p: p.when)
+            jobs.append([(target, p) for p in chosen])
+        order = [job for pair in zip_longest(*jobs) for job in pair if job is not None]
+        tally = kill_matrix(s, "new-driver", [p for _, p in order], [t for t, _ in order])
         show("real-driver", syscall, tally)
         total.tried += tally.tried
         total.held += tally.held
@@ -542,16 +621,18 @@ def test_sigkill_while_swapping_to_the_real_driver(tmp_path: Path) -> None:
     assert total.tried >= len(REAL_CLASSES)
     assert total.held == total.tried
     assert total.purposes["spec"] >= 3  # its write, fsync and rename at least
+    assert total.purposes["metrics"] >= 4  # its openat, write, fsyncs and renameat
 
 
 def test_killed_atomic_writes_leave_no_temp_files(two_drivers: Swapper) -> None:
     """Regression: a run killed between writing and renaming the spec or drop-in temp
     file (at its write or any fsync) left `.nvidia.yaml.*.tmp` /
-    `.unbounded-nvidia-setup.conf.*.tmp` behind for good; the next run must remove them.
+    `.unbounded-nvidia-setup.conf.*.tmp` behind for good; the next run must remove them
+    (and the metrics temp file, which the next writer clears).
     A kill at a temp file's own call is seen to leave one, so the removal is tested."""
     s = two_drivers
     found = kill_points("first-boot", s)
-    points = found["fsync"] + [p for p in found["write"] if p.purpose in ("spec", "drop-in")]
+    points = found["fsync"] + [p for p in found["write"] if p.purpose in WRITES["first-boot"]]
     left = 0
     for point in points:
         first_boot(s.m)
@@ -563,7 +644,7 @@ def test_killed_atomic_writes_leave_no_temp_files(two_drivers: Swapper) -> None:
             left += 1
         assert_whole(s, may_be_absent=True)
         recovered(s, s.current)
-    assert left >= 2, points
+    assert left >= len(WRITES["first-boot"]), points
 
 
 @pytest.mark.parametrize("scenario", ["first-boot", "new-driver"])
@@ -575,14 +656,15 @@ def test_atomic_writes_sync_the_data_before_the_rename_and_the_rename_after(
     the file and fsyncs the directory, in that order, and nothing else on those paths."""
     s = two_drivers
     s.prepare(scenario)
-    calls = trace_run(s.m, ["openat", "write", "fsync", "rename"])
+    calls = trace_run(s.m, ["openat", "write", "fsync", "rename", "renameat"])
     for purpose in sorted(WRITES[scenario]):
         temp, final, directory = PURPOSES[purpose]
         steps: list[str] = []
         for call in calls:
             paths = [where(call, s.m.root)] + [
                 "/" + os.path.relpath(a.path, s.m.root) for a in accesses([call])[1:]]
-            if call.name == "rename" and fnmatch.fnmatchcase(paths[0], temp):
+            if (call.name in ("rename", "renameat")
+                    and fnmatch.fnmatchcase(paths[0], temp)):
                 steps.append("rename" if paths[-1] == final else f"rename to {paths[-1]}")
             elif fnmatch.fnmatchcase(paths[0], temp):
                 steps.append(f"{call.name} temp")
@@ -591,6 +673,29 @@ def test_atomic_writes_sync_the_data_before_the_rename_and_the_rename_after(
         steps = [step for i, step in enumerate(steps) if i == 0 or step != steps[i - 1]]
         assert steps == ["openat temp", "write temp", "fsync temp", "rename", "fsync dir"], (
             purpose, steps)
+
+
+def test_calls_relative_to_a_directory_descriptor_are_placed_by_the_path_they_reach(
+        tmp_path: Path) -> None:
+    """The metrics file is written by name relative to its directory's descriptor; strace
+    -y shows that descriptor as `3</dir>`. Each of those calls, as this strace prints
+    them, is placed at the file it acted on and so found for its purpose."""
+    d = f"{tmp_path}{METRICS_DIR}"
+    tmp, name = f".{metrics.FILE}.tmp", metrics.FILE
+    text = "\n".join([
+        f'7 unlinkat(3<{d}>, "{tmp}", 0) = -1 ENOENT (No such file or directory)',
+        f'7 openat(3<{d}>, "{tmp}", O_WRONLY|O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC, 0644)'
+        f" = 4<{d}/{tmp}>",
+        f'7 write(4<{d}/{tmp}>, "# HELP unbounded_nvidia_setup_ru"..., 4820) = 4820',
+        f"7 fsync(4<{d}/{tmp}>) = 0",
+        f'7 renameat(3<{d}>, "{tmp}", 3<{d}>, "{name}") = 0',
+        f"7 fsync(3<{d}>) = 0"])
+    calls = parse_calls(text)
+    temp, final, directory = PURPOSES["metrics"]
+    assert [where(c, tmp_path) for c in calls] == [temp] * 5 + [directory]
+    assert {purpose_of(where(c, tmp_path)) for c in calls} == {"metrics"}
+    assert [a.path for a in accesses(calls[4:5])] == [f"{d}/{tmp}", f"{d}/{name}"]
+    assert final == f"{METRICS_DIR}/{name}"
 
 
 # --------------------------------------------------------------------------------------

@@ -28,9 +28,11 @@ from invariants import (
     secure_after,  # noqa: F401  (fixture)
 )
 from test_crash import (
+    METRICS_DIR,
     NOT_MADE,
     Point,
     Swapper,
+    assert_metrics_whole,
     assert_whole,
     kill_points,
     points_or_fail,
@@ -80,7 +82,13 @@ def assert_no_leftovers(m: simgpu.SimMachine) -> None:
     no temp file of an atomic write."""
     assert not list(root_of(m).parent.glob(".driver.*"))
     assert not (m.root / "run/unbounded-nvidia-setup").exists()
-    for directory in (spec_of(m).parent, m.root / "etc/ld.so.conf.d"):
+    assert_no_temp_files(m)
+
+
+def assert_no_temp_files(m: simgpu.SimMachine) -> None:
+    """No temp file of an atomic write: spec, drop-in, metrics (when metrics are on)."""
+    for directory in (spec_of(m).parent, m.root / "etc/ld.so.conf.d",
+                      m.root / METRICS_DIR.lstrip("/")):
         if directory.exists():
             assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
 
@@ -264,7 +272,8 @@ def test_lock_held_by_a_stuck_run(tmp_path: Path) -> None:
 
 ERRNO = {
     "mkdir": "ENOSPC", "openat": "ENOSPC", "copy_file_range": "ENOSPC", "symlink": "ENOSPC",
-    "write": "ENOSPC", "fsync": "EIO", "rename": "EIO", "renameat2": "EIO", "unlink": "EIO",
+    "write": "ENOSPC", "fsync": "EIO", "rename": "EIO", "renameat": "EIO", "renameat2": "EIO",
+    "unlink": "EIO",
     "unlinkat": "EIO", "rmdir": "EIO", "fchown": "EPERM", "fchmod": "EPERM",
     "utimensat": "EPERM", "chmod": "EPERM",
 }
@@ -276,8 +285,8 @@ ERROR_CASES = [(scenario, syscall) for scenario in ("first-boot", "new-driver")
                for syscall in ERRNO
                if (scenario, syscall) not in NOT_MADE
                and (scenario == "new-driver" or syscall in ("mkdir", "openat", "rename",
-                                                            "unlink", "unlinkat", "rmdir",
-                                                            "fsync", "write"))]
+                                                            "renameat", "unlink", "unlinkat",
+                                                            "rmdir", "fsync", "write"))]
 # Where an injected error may end in exit 0, by (syscall, glob of the path the failed
 # call acted on, as test_crash.where names it), and why the run is right to go on. An
 # exit 0 after any other injected error fails the test: either the product swallowed an
@@ -298,6 +307,12 @@ HARMLESS: dict[tuple[str, str], str] = {
         "deleting the private work dir or the old generation after the swap: nothing "
         "reads them, the run warns, and the next run removes them (tree.remove_leftovers, "
         "cdi.Generator; recovered() checks)"),
+    # The directory, its temp file and the file (fnmatch's * also matches "/").
+    **dict.fromkeys(
+        [(syscall, f"{METRICS_DIR}*") for syscall in
+         ("openat", "write", "fsync", "renameat", "unlinkat")],
+        "metrics never fail a run: one warning (metrics.write); node_exporter keeps "
+        "serving the previous file, and the next run writes a new one"),
 }
 # Failed runs that do not leave the live state as it was before them, by (syscall, glob
 # of the failed call's path). A product bug each, listed so the suite stays green while
@@ -359,6 +374,11 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
             assert not unexplained, (
                 f"N={point}: exit 0 although {syscall} on {unexplained} failed with {errno}; "
                 f"the product ignored it, or HARMLESS must say why that is right")
+            if any(path.startswith(METRICS_DIR) for path in hit):
+                warned = [line for line in run.stderr.splitlines()
+                          if line.startswith("warning: metrics not written")]
+                assert len(warned) == 1 and SAYS[errno] in warned[0].lower(), run.stderr
+            assert_no_temp_files(s.m)
         else:
             errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
             assert run.code == 1 and len(errors) == 1, f"N={point}: {run.stderr}"
@@ -367,5 +387,6 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
             assert live_state(s) == before, f"N={point}: failed without rolling back"
         outcomes.append(f"{point}:{run.code}")
         assert_whole(s, may_be_absent=scenario == "first-boot")
+        assert_metrics_whole(s)
         recovered(s, target)
     print(f"ERRORS {scenario} {syscall} {errno} at N:exit {' '.join(outcomes)}: held")
