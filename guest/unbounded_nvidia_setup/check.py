@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,7 +99,11 @@ def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
     import yaml
 
     try:
-        return (json.loads(text) if as_json else load_yaml(text)), None
+        if as_json:  # only the device plugin's spec: json stays off a run's imports
+            import json
+
+            return json.loads(text), None
+        return load_yaml(text), None
     except (ValueError, yaml.YAMLError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return None, f"does not parse: {first}"

@@ -12,6 +12,7 @@ from .config import Machine
 from .log import Failure, die
 from .run import Result, Started, find_program, run, start
 from .spec import Problem
+from .verify import resolve
 
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
 
@@ -154,6 +155,7 @@ def cache_problems(machine: Machine, sonames: dict[str, str | None]) -> list[Pro
     if isinstance(entries, str):
         return [Problem("ldcache-stale", f"{cache}: {entries}", str(cache))]
     libdir = f"{machine.config.driver_root.rstrip('/')}/{machine.libdir}"
+    real = os.path.realpath(machine.at(libdir))
     problems = []
     for name, soname in sorted(sonames.items()):
         if not soname:
@@ -164,8 +166,7 @@ def cache_problems(machine: Machine, sonames: dict[str, str | None]) -> list[Pro
             where = f"resolves {soname} to {have}" if have else f"does not list {soname}"
             problems.append(Problem("ldcache-stale", f"{cache} {where}, not {want}",
                                     str(cache)))
-        elif os.path.realpath(machine.at(want)) != os.path.realpath(
-                machine.at(f"{libdir}/{name}")):
+        elif resolve(os.path.join(real, soname)) != os.path.join(real, name):
             problems.append(Problem("ldcache-stale", f"{cache} resolves {soname} to "
                                     f"{want}, which does not lead to {name}", str(cache)))
     return problems

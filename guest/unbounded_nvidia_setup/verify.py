@@ -22,6 +22,28 @@ def root_version(root: Path, libdir: str) -> set[str]:
     return {v for n in names if n.startswith("libcuda.so.") and (v := name_version(n))}
 
 
+_MAX_LINKS = 40
+
+
+def resolve(path: str) -> str:
+    """os.path.realpath(path), for a path whose directory is already real (a driver root
+    walked from its real path: os.walk does not descend into links). A link whose target
+    is a plain name is followed next to itself with one lstat, as the kernel does;
+    realpath would lstat every component of the path for every link, which was most of
+    the end-state check's cost on the boot path. Anything else is left to realpath."""
+    for _ in range(_MAX_LINKS):
+        try:
+            if not stat.S_ISLNK(os.lstat(path).st_mode):
+                return path
+            target = os.readlink(path)
+        except OSError:
+            return path  # dangling, as realpath gives it
+        if "/" in target or target in ("", ".", ".."):
+            return os.path.realpath(path)
+        path = os.path.join(os.path.dirname(path), target)
+    return os.path.realpath(path)
+
+
 def library_sonames(directory: Path) -> dict[str, str | None]:
     """DT_SONAME of every regular file in `directory` (None: no SONAME, not ELF, or
     damaged). Read from the files themselves on every call: a SONAME link is right only
@@ -52,12 +74,13 @@ def link_problems(directory: Path) -> list[Problem]:
     ldconfig rewrote wrongly from a stale aux cache (docs/architecture.md)."""
     problems: list[Problem] = []
     sonames = library_sonames(directory)
+    real = os.path.realpath(directory)
     for name in sorted(os.listdir(directory)) if sonames else []:
         path = directory / name
         if not path.is_symlink() or name in ACTIVE_LINKS:
             continue  # libcuda.so.1 and libnvidia-ml.so.1: the required-library check
-        target = os.path.realpath(path)
-        if os.path.dirname(target) != os.path.realpath(directory):
+        target = resolve(os.path.join(real, name))
+        if os.path.dirname(target) != real:
             continue  # escaping or dangling: reported as such
         want = LINKER_NAMES.get(name, name)
         have = sonames.get(os.path.basename(target))
@@ -96,17 +119,20 @@ def root_problems(root: Path, libdir: str, version: str | None,
     real_root = os.path.realpath(root)
     check_owner = os.geteuid() == 0
     for directory, dirs, files in os.walk(root):
+        # os.walk does not descend into links: every directory here is real below the root.
+        rel_dir = os.path.relpath(directory, root)
+        real_dir = real_root if rel_dir == "." else os.path.join(real_root, rel_dir)
         for name in sorted(dirs + files):
             path = os.path.join(directory, name)
-            rel = os.path.relpath(path, root)
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink(path)
-                resolved = os.path.realpath(path)
+                resolved = resolve(os.path.join(real_dir, name))
                 if target.startswith("/"):
                     problems.append(Problem("root-absolute-link",
                                             f"{path} is an absolute link to {target}", path))
-                elif not Path(resolved).is_relative_to(real_root):
+                elif resolved != real_root and not resolved.startswith(real_root + "/"):
                     problems.append(Problem("root-escaping-link",
                                             f"{path} points outside the driver root", path))
                 elif not os.path.exists(path):
@@ -147,7 +173,8 @@ def root_problems(root: Path, libdir: str, version: str | None,
                 code = "root-library-not-regular" if os.path.lexists(library) else (
                     "root-missing-library")
                 problems.append(Problem(code, f"{library} is not a regular file", str(library)))
-            elif not link.is_symlink() or os.path.realpath(link) != os.path.realpath(library):
+            elif not link.is_symlink() or resolve(os.path.join(
+                    real_root, libdir, link.name)) != os.path.join(real_root, libdir, library.name):
                 problems.append(Problem("root-missing-link",
                                         f"{link} does not point to {library.name}", str(link)))
     return problems
