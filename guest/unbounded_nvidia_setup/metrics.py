@@ -108,19 +108,20 @@ def _label(value: str | None) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _gauge(name: str, help_text: str, value: object) -> Iterator[str]:
+    yield from _family(name, "gauge", help_text)
+    yield f"{PREFIX}{name} {value}"
+
+
 def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterator[str]:
-    yield from _family("run_success", "gauge", "1 when the last run succeeded, else 0.")
-    yield f"{PREFIX}run_success {int(code == 0)}"
-    yield from _family("run_exit_code", "gauge", "Exit status of the last run.")
-    yield f"{PREFIX}run_exit_code {code}"
-    yield from _family("run_timestamp_seconds", "gauge",
-                       "Unix time at which the last run ended.")
-    yield f"{PREFIX}run_timestamp_seconds {_number(now)}"
-    yield from _family("run_duration_seconds", "gauge", "How long the last run took.")
-    yield f"{PREFIX}run_duration_seconds {_number(duration)}"
-    yield from _family("run_swapped", "gauge",
-                       "1 when the last run swapped in a new driver root generation.")
-    yield f"{PREFIX}run_swapped {int(swapped)}"
+    yield from _gauge("run_success", "1 when the last run succeeded, else 0.", int(code == 0))
+    yield from _gauge("run_exit_code", "Exit status of the last run.", code)
+    yield from _gauge("run_timestamp_seconds", "Unix time at which the last run ended.",
+                      _number(now))
+    yield from _gauge("run_duration_seconds", "How long the last run took.",
+                      _number(duration))
+    yield from _gauge("run_swapped", "1 when the last run swapped in a new driver root "
+                      "generation.", int(swapped))
 
 
 def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
@@ -129,17 +130,14 @@ def _check_lines(gpu: bool, driver_version: str | None, module_version: str | No
                        "version of the loaded kernel module (empty when unknown).")
     yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
            f'module_version="{_label(module_version)}"}} 1')
-    yield from _family("gpu_present", "gauge", "1 when the machine has NVIDIA devices.")
-    yield f"{PREFIX}gpu_present {int(gpu)}"
-    yield from _family("driver_root_files", "gauge", "Regular files in the driver root.")
-    yield f"{PREFIX}driver_root_files {root.get('files', 0)}"
-    yield from _family("driver_root_bytes", "gauge", "Bytes in the driver root's files.")
-    yield f"{PREFIX}driver_root_bytes {root.get('bytes', 0)}"
-    yield from _family("check_ok", "gauge", "1 when the last check found no problem.")
-    yield f"{PREFIX}check_ok {int(not codes)}"
-    yield from _family("check_timestamp_seconds", "gauge",
-                       "Unix time of the last check (a run's end-state check included).")
-    yield f"{PREFIX}check_timestamp_seconds {_number(checked_at)}"
+    yield from _gauge("gpu_present", "1 when the machine has NVIDIA devices.", int(gpu))
+    yield from _gauge("driver_root_files", "Regular files in the driver root.",
+                      root.get("files", 0))
+    yield from _gauge("driver_root_bytes", "Bytes in the driver root's files.",
+                      root.get("bytes", 0))
+    yield from _gauge("check_ok", "1 when the last check found no problem.", int(not codes))
+    yield from _gauge("check_timestamp_seconds", "Unix time of the last check (a run's "
+                      "end-state check included).", _number(checked_at))
     yield from _family("check_problems", "gauge", "Problems of each code the last check "
                        "found (docs/problems.md).")
     counts = dict.fromkeys(PROBLEM_CODES, 0)
