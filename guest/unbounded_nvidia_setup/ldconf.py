@@ -56,16 +56,15 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool =
     return True
 
 
-def install_dropin(machine: Machine) -> bool:
-    """Write the drop-in; True when it was not there before."""
+def install_dropin(machine: Machine) -> None:
+    """Write the drop-in (the caller knows beforehand whether it is new: a write that
+    fails after its rename has already put it there)."""
     path = machine.ldconf_dropin
-    existed = path.exists()
     try:
         if write_atomically(path, dropin_text(machine).encode()):
             log.info(f"wrote {path}")
     except OSError as e:
         die(f"cannot write {path}: {e.strerror}", hint="/etc must be writable for root")
-    return not existed
 
 
 def legacy_links(machine: Machine) -> list[Path]:
