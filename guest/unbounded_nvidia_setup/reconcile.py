@@ -144,12 +144,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
-            # Set first: an install that fails after its rename (fsync of /etc/cdi) has
-            # already replaced the spec.
-            undo.spec_written = True
-            cdi.install(machine, spec)
-            cdi.remove_shadow(machine)
-            _verify_end_state(machine, want, record)
+            _install_and_prove(machine, undo, spec, want, record)
         except BaseException:
             undo.rollback()
             raise
@@ -197,10 +192,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         spec = generator.spec(plan.version, helpers)
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
-            undo.spec_written = True
-            changed = cdi.install(machine, spec)
-            cdi.remove_shadow(machine)
-            _verify_end_state(machine, want, record)
+            changed = _install_and_prove(machine, undo, spec, want, record)
         except BaseException:
             undo.rollback()
             raise
@@ -215,6 +207,19 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
+def _install_and_prove(machine: Machine, undo: Undo, spec: bytes, want: Manifest,
+                       record: RunRecord) -> bool:
+    """Install the validated spec and prove the end state (the last steps of `run` and of
+    `run --spec-only`); True when the spec changed. The caller rolls back on failure."""
+    # Set first: an install that fails after its rename (fsync of /etc/cdi) has already
+    # replaced the spec.
+    undo.spec_written = True
+    changed = cdi.install(machine, spec)
+    cdi.remove_shadow(machine)
+    _verify_end_state(machine, want, record)
+    return changed
+
+
 def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord) -> None:
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
@@ -223,15 +228,13 @@ def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord) -> No
 
     log.status("Verifying the live driver root, linker cache and CDI spec")
     report = collect(machine, want)
-    problems = report.problems
-    if not problems:  # a failing run rolls back: this report would describe nothing live
-        record.report, record.checked_at = report, time.time()
-    if problems:
-        first = problems[0]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        die(f"the live state is wrong after setup: [{first.code}] {first.message}{more}",
+    if report.problems:  # not recorded: the rollback undoes the state it describes
+        first, more = report.problems[0], len(report.problems) - 1
+        die(f"the live state is wrong after setup: [{first.code}] {first.message}"
+            + (f" (and {more} more)" if more else ""),
             hint="the previous driver root and spec were put back; systemd retries; "
                  "`unbounded-nvidia-setup check` lists every problem")
+    record.report, record.checked_at = report, time.time()
 
 
 class Undo:
