@@ -109,7 +109,10 @@ def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
         return None, f"does not parse: {first}"
 
 
-def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str | None:
+def _check_root(machine: Machine, report: Report,
+                want: Manifest | None) -> tuple[str | None, dict[str, str | None] | None]:
+    """The root's driver version and the DT_SONAMEs of its library directory (read once,
+    for the link check here and the linker-cache check after it; None: no such dir)."""
     live = machine.driver_root
     have = tree.manifest(live)
     section: dict[str, Any] = {"path": str(live), "present": have is not None}
@@ -121,7 +124,7 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
         code = "root-not-directory" if os.path.lexists(live) else "root-missing"
         report.problems.append(Problem(code, f"driver root {live} is missing or not a "
                                        "directory", str(live)))
-        return None
+        return None, None
     versions = root_version(live, machine.libdir)
     sizes = [v[1] for v in have.values() if len(v) == 4]
     version = report.module_version or (min(versions) if len(versions) == 1 else None)
@@ -136,8 +139,10 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
         files=len(sizes),
         bytes=sum(sizes),
     )
+    libdir = live / machine.libdir
+    sonames = library_sonames(libdir) if libdir.is_dir() and not libdir.is_symlink() else None
     report.problems += root_problems(live, machine.libdir, version,
-                                     machine.config.extra_library_prefixes)
+                                     machine.config.extra_library_prefixes, sonames)
     if report.module_version and versions and versions != {report.module_version}:
         report.problems.append(Problem("root-version-mismatch",
                                        f"driver root holds {', '.join(sorted(versions))} but the "
@@ -147,7 +152,7 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
         if difference != "identical":
             report.problems.append(Problem("root-out-of-date", "driver root differs from "
                                            f"what this run built: {difference}", str(live)))
-        return version
+        return version, sonames
     # What the staging mounts call for now: catches tampering and staging that changed.
     try:
         dirs = discover.staging_dirs(machine)
@@ -164,7 +169,7 @@ def _check_root(machine: Machine, report: Report, want: Manifest | None) -> str 
                                                str(live)))
     except Failure as e:
         report.problems.append(Problem("staging-invalid", e.message, machine.staging_parent))
-    return version
+    return version, sonames
 
 
 def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
@@ -205,10 +210,10 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
                                      kind=None, version=version)
 
 
-def _check_ldcache(machine: Machine, report: Report) -> None:
-    libdir = machine.driver_root / machine.libdir
-    if libdir.is_dir() and not libdir.is_symlink():
-        report.problems += ldconf.cache_problems(machine, library_sonames(libdir))
+def _check_ldcache(machine: Machine, report: Report,
+                   sonames: dict[str, str | None] | None) -> None:
+    if sonames is not None:
+        report.problems += ldconf.cache_problems(machine, sonames)
 
 
 def collect(machine: Machine, want: Manifest | None = None) -> Report:
@@ -223,7 +228,7 @@ def collect(machine: Machine, want: Manifest | None = None) -> Report:
                 report.problems.append(Problem("stale-state", f"no NVIDIA GPU, but {path} "
                                                "exists", str(path)))
         return report
-    version = _check_root(machine, report, want)
+    version, sonames = _check_root(machine, report, want)
     report.driver_version = version
     dropin = ldconf.dropin_text(machine)
     try:
@@ -237,7 +242,7 @@ def collect(machine: Machine, want: Manifest | None = None) -> Report:
     for link in ldconf.legacy_links(machine):
         report.problems.append(Problem("legacy-link", f"{link} points into the staging mounts",
                                        str(link)))
-    _check_ldcache(machine, report)
+    _check_ldcache(machine, report, sonames)
     _check_spec(machine, report, version)
     if want is None:
         _check_plugin_spec(machine, report, version)

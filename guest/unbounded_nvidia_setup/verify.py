@@ -67,13 +67,15 @@ def library_sonames(directory: Path) -> dict[str, str | None]:
     return result
 
 
-def link_problems(directory: Path) -> list[Problem]:
+def link_problems(directory: Path,
+                  sonames: dict[str, str | None] | None = None) -> list[Problem]:
     """Every SONAME link in a library directory names a file whose DT_SONAME is that
     link's name (a linker name such as libcuda.so: the SONAME it stands for), and every
     library whose SONAME differs from its file name has its SONAME link. This is what
     ldconfig rewrote wrongly from a stale aux cache (docs/architecture.md)."""
     problems: list[Problem] = []
-    sonames = library_sonames(directory)
+    if sonames is None:
+        sonames = library_sonames(directory)
     real = os.path.realpath(directory)
     for name in sorted(os.listdir(directory)) if sonames else []:
         path = directory / name
@@ -113,8 +115,10 @@ def _allowed(rel: str, libdir: str, is_dir: bool, extra: tuple[str, ...]) -> boo
 
 
 def root_problems(root: Path, libdir: str, version: str | None,
-                  extra_prefixes: tuple[str, ...] = ()) -> list[Problem]:
-    """Problems with the driver root at `root` (assumed to be a directory)."""
+                  extra_prefixes: tuple[str, ...] = (),
+                  sonames: dict[str, str | None] | None = None) -> list[Problem]:
+    """Problems with the driver root at `root` (assumed to be a directory). `sonames`:
+    library_sonames() of its `libdir` when the caller has read them already."""
     problems: list[Problem] = []
     real_root = os.path.realpath(root)
     check_owner = os.geteuid() == 0
@@ -157,9 +161,9 @@ def root_problems(root: Path, libdir: str, version: str | None,
             allowed_modes = (EXECUTABLE_MODE,) if is_dir else (LIBRARY_MODE, EXECUTABLE_MODE)
             if mode not in allowed_modes:
                 problems.append(Problem("root-bad-mode", f"{path} has mode {mode:04o}", path))
-    for libraries in (root / libdir, root / libdir / VDPAU):
+    for libraries, known in ((root / libdir, sonames), (root / libdir / VDPAU, None)):
         if libraries.is_dir() and not libraries.is_symlink():
-            problems += link_problems(libraries)
+            problems += link_problems(libraries, known)
     versions = {version} if version else root_version(root, libdir)
     if len(versions) > 1:
         problems.append(Problem("root-mixed-versions",
