@@ -18,6 +18,7 @@ FAKE_CTK = TESTS / "fakes" / "nvidia-ctk"
 sys.path.insert(0, str(TESTS))
 
 import realdriver  # noqa: E402  (tests/ is on the path from here on)
+import simgpu  # noqa: E402  (found through the path just set)
 
 
 @dataclass
@@ -65,6 +66,15 @@ def mounts() -> Iterator[list[Path]]:
     yield done
     for path in reversed(done):
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def m(tmp_path: Path) -> simgpu.SimMachine:
+    """A simulated GPU machine with the default test config (suites that need other
+    settings define their own `m`)."""
+    machine = simgpu.make_machine(tmp_path / "root")
+    machine.write_config()
+    return machine
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown)")

@@ -39,13 +39,6 @@ pytestmark = [needs_root, pytest.mark.skipif(
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-@pytest.fixture
-def m(tmp_path: Path) -> simgpu.SimMachine:
-    machine = simgpu.make_machine(tmp_path / "root")
-    machine.write_config()
-    return machine
-
-
 def textfile_dir(m: simgpu.SimMachine) -> Path:
     """The default metrics_dir, under --root like every other path."""
     return m.root / "var/lib/prometheus/node-exporter"

@@ -22,13 +22,6 @@ pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 RESTART = "systemctl restart unbounded-nvidia-setup"
 
 
-@pytest.fixture
-def m(tmp_path: Path) -> simgpu.SimMachine:
-    machine = simgpu.make_machine(tmp_path / "root")
-    machine.write_config()
-    return machine
-
-
 def live_state(m: simgpu.SimMachine) -> tuple[object, ...]:
     """Everything a refresh must leave alone, inode of the root included."""
     dropin = m.root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf"

@@ -24,13 +24,6 @@ pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
 
 
-@pytest.fixture
-def m(tmp_path: Path) -> simgpu.SimMachine:
-    machine = simgpu.make_machine(tmp_path / "root")
-    machine.write_config()
-    return machine
-
-
 def root_of(m: simgpu.SimMachine) -> Path:
     return m.root / "run/nvidia/driver"
 
