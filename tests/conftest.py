@@ -14,11 +14,20 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
-FAKE_CTK = TESTS / "fakes" / "nvidia-ctk"
 sys.path.insert(0, str(TESTS))
 
 import realdriver  # noqa: E402  (tests/ is on the path from here on)
 import simgpu  # noqa: E402  (found through the path just set)
+import toolkit  # noqa: E402  (found through the path just set)
+
+# The nvidia-ctk the GPU scenarios run (tests/toolkit.py), and the hook it names in specs.
+NVIDIA_CTK = toolkit.NVIDIA_CTK
+os.environ["PATH"] = toolkit.path_with_hook()
+
+
+def stand_in_only(why: str) -> pytest.MarkDecorator:
+    """Skip in real-tool mode: the case needs what only the stand-in can do (``why``)."""
+    return pytest.mark.skipif(toolkit.REAL, reason=f"only the nvidia-ctk stand-in can {why}")
 
 
 @dataclass

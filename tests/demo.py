@@ -4,7 +4,12 @@ Builds a machine in a temporary directory (staging dirs with real ELF driver lib
 a stale older driver, unrelated libraries and hostile entries; mknod device nodes; a
 kernel module version; the nvidia-ctk stand-in), then runs the real tool against it with
 --root: run, check, status, a second run, tampering and repair, and the device plugin's
-view with the staging mounts hidden.
+view with the staging mounts hidden. It ends with a GPU pod: on a machine staged with the
+real NVIDIA userspace from Debian non-free, podman + runc start a container from the spec
+`run` installed, beside the incident's spec that lacks libcuda and NVML.
+
+With UNB_TEST_NVIDIA_CTK naming a real nvidia-ctk (tests/toolkit.py) it runs that one
+and its nvidia-cdi-hook instead of the stand-ins.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pod
+import realdriver
 import simgpu
+import toolkit
+from realmachine import real_machine
 
 TOOL = [sys.executable, "-m", "unbounded_nvidia_setup"]
 
@@ -48,6 +57,38 @@ def show_tree(path: Path) -> None:
             print(f"  {rel}  ({p.stat().st_size} bytes, {oct(p.stat().st_mode & 0o7777)})")
 
 
+def show_pod(title: str, result: pod.Pod) -> None:
+    print(f"  {title}")
+    report = result.report()
+    print(f"    devices: {' '.join('/dev/' + d for d in report['devices'])}")
+    print("    ldconfig -p:" + ("" if report["ldconfig_p"] else " nothing for libcuda or NVML"))
+    for line in report["ldconfig_p"]:
+        print(f"      {line}")
+    print(f"    nvmlInit_v2() = {report['nvmlInit_v2']}    cuInit(0) = {report['cuInit']}")
+    print(f"    nvidia-smi: {report['nvidia_smi'][1]}")
+
+
+def gpu_pod(work: Path) -> None:
+    """The moment the project exists for: a GPU pod gets libcuda and NVML."""
+    step("A GPU pod: podman + runc start a container from the installed spec")
+    why = pod.unavailable()
+    if why is not None:
+        raise SystemExit(f"demo: cannot start a pod: {why}")
+    print("  the real NVIDIA userspace from Debian non-free (downloaded once, then cached)")
+    drv = realdriver.fetch_real_driver()
+    m = real_machine(work / "pod", drv)
+    print(f"  a machine staged with NVIDIA {drv.version}; {toolkit.NAME}")
+    tool(m.root, "run")
+    print("  the container image: a Debian trixie tree (tests/rootfs.py, built once)")
+    staging = [m.root / "run/host-nvidia"]
+    show_pod("with the spec run installed (staging hidden, as a pod's runtime sees it):",
+             pod.probe(etc_cdi=m.cdi_spec.parent, hide=staging))
+    incident = pod.spec_without(m.cdi_spec, work / "incident-spec", mounts=(
+        f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}"))
+    show_pod("with the incident's spec (no libcuda and NVML mounts):",
+             pod.probe(etc_cdi=incident, hide=staging))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--keep", action="store_true", help="keep the machine directory")
@@ -55,6 +96,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("demo: needs root (it creates device nodes with mknod)", file=sys.stderr)
         return 2
+    os.environ["PATH"] = toolkit.path_with_hook()
     work = Path(tempfile.mkdtemp(prefix="unbounded-nvidia-demo."))
     try:
         step("A simulated GPU machine (real ELF objects, stale driver, hostile entries)")
@@ -102,7 +144,7 @@ def main() -> int:
         step("The device plugin's view: staging mounts hidden, only the driver root")
         shutil.move(root / "run/host-nvidia", work / "hidden")
         out = work / "plugin.json"
-        subprocess.run([str(simgpu.FAKE_NVIDIA_CTK), "cdi", "generate",
+        subprocess.run([str(toolkit.NVIDIA_CTK), "cdi", "generate",
                         f"--driver-root={m.driver_root}", f"--dev-root={root}",
                         "--mode=management", f"--output={out}"], check=True,
                        capture_output=True)
@@ -117,6 +159,8 @@ def main() -> int:
             node.unlink()
         tool(root, "run")
         tool(root, "check")
+
+        gpu_pod(work)
         print("\ndemo: all steps behaved as expected")
     finally:
         if args.keep:

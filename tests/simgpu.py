@@ -52,6 +52,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+import toolkit
+
 MULTIARCH = "x86_64-linux-gnu"
 DEFAULT_VERSION = "550.127.05"
 DEFAULT_STALE = ("535.183.01",)
@@ -63,8 +65,6 @@ EM_AARCH64 = 183
 _M = 1024 * 1024
 _K = 1024
 
-FAKES_DIR = Path(__file__).resolve().parent / "fakes"
-FAKE_NVIDIA_CTK = FAKES_DIR / "nvidia-ctk"
 
 
 class DriverLib(NamedTuple):
@@ -588,11 +588,11 @@ class SimMachine:
 
     def write_config(self, **overrides: object) -> Path:
         """Write ``<root>/etc/unbounded/nvidia-setup.yaml``. Defaults: ``nvidia_ctk`` =
-        tests/fakes/nvidia-ctk (absolute), ``nvidia_ctk_args: ["--mode=management"]``.
+        the tests' nvidia-ctk (tests/toolkit.py), ``nvidia_ctk_args: ["--mode=management"]``.
         A key overridden with None is left out. Values are written as JSON flow
         scalars/lists, which YAML reads unchanged."""
         values: dict[str, object] = {
-            "nvidia_ctk": str(FAKE_NVIDIA_CTK),
+            "nvidia_ctk": str(toolkit.NVIDIA_CTK),
             "nvidia_ctk_args": ["--mode=management"],
         }
         values.update(overrides)

@@ -53,7 +53,7 @@ from test_crash import Swapper, assert_whole, swapper
 from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
-from conftest import FAKE_CTK, Outcome, needs_root
+from conftest import NVIDIA_CTK, Outcome, needs_root
 from test_run import root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -65,7 +65,7 @@ def wrap_programs(m: simgpu.SimMachine, tmp_path: Path, **config: object) -> Pat
     """nvidia-ctk and ldconfig behind a wrapper logging `start|end <run pid> <time>`."""
     log = tmp_path / "calls.log"
     ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
-    for tool, real in (("nvidia-ctk", str(FAKE_CTK)), ("ldconfig", ldconfig)):
+    for tool, real in (("nvidia-ctk", str(NVIDIA_CTK)), ("ldconfig", ldconfig)):
         wrapper = tmp_path / f"wrap-{tool}"
         # `ldconfig -p` only reads the cache: checks, which share the lock, may all do
         # it at once.

@@ -44,7 +44,7 @@ from test_crash import (
 from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
-from conftest import needs_root
+from conftest import needs_root, stand_in_only
 from test_failures import new_driver
 from test_run import root_of, snapshot, spec_of
 
@@ -192,6 +192,7 @@ def processes_under(root: Path) -> list[int]:
     return found
 
 
+@stand_in_only("hang, crash or corrupt its output on request")
 @pytest.mark.parametrize("knob,value,expect", [
     ("FAKE_NVIDIA_CTK_SIGNAL", "KILL", "killed by SIGKILL"),
     ("FAKE_NVIDIA_CTK_SIGNAL", "SEGV", "killed by SIGSEGV"),
@@ -217,6 +218,7 @@ def test_nvidia_ctk_failing_on_first_boot_leaves_nothing(tmp_path: Path, knob: s
 # The lock
 
 
+@stand_in_only("hang, crash or corrupt its output on request")
 def test_lock_held_by_a_stuck_run(tmp_path: Path) -> None:
     """A run hangs in nvidia-ctk while holding the lock: other runs and cleans give up
     after the lock timeout with 75 and change nothing, a check answers at once "not ready

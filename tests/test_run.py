@@ -18,7 +18,7 @@ from invariants import assert_secure_root, secure_after  # noqa: F401  (fixture)
 from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
-from conftest import FAKE_CTK, Cli, needs_root
+from conftest import NVIDIA_CTK, Cli, needs_root, stand_in_only
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
@@ -70,7 +70,7 @@ def plugin_view(m: simgpu.SimMachine, tmp_path: Path) -> set[str]:
     shutil.move(m.root / "run/host-nvidia", tmp_path / "hidden")
     out_dir = tmp_path / "plugin"
     out_dir.mkdir()
-    proc = subprocess.run([str(FAKE_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
+    proc = subprocess.run([str(NVIDIA_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
                            f"--dev-root={m.root}", "--mode=management",
                            f"--output={out_dir}/spec.json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -371,6 +371,7 @@ def test_refuses_to_swap_under_running_containerd(m: simgpu.SimMachine, cli: Cli
     assert not os.path.lexists(root_of(m))
 
 
+@stand_in_only("log its arguments and impersonate 1.17")
 def test_hook_flags_follow_the_nvidia_ctk_version(m: simgpu.SimMachine, cli: Cli,
                                                   tmp_path: Path) -> None:
     log_file = tmp_path / "ctk.log"

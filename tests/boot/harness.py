@@ -28,11 +28,10 @@ import rootfs
 from check_schema import parse_check
 
 import simgpu
+import toolkit
 from .nspawn import HOST_PATH, Bind, Machine
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_CTK = REPO / "tests" / "fakes" / "nvidia-ctk"
-FAKE_CTK_MODULE = FAKE_CTK.with_name("nvidia_ctk.py")
 SETUP = "unbounded-nvidia-setup.service"
 CONTAINERD = "containerd.service"
 KUBELET = "kubelet.service"
@@ -166,9 +165,22 @@ class Node:
 NodeFactory = Callable[..., Node]
 
 
+def install_toolkit(root: Path) -> None:
+    """The tests' nvidia-ctk and nvidia-cdi-hook (tests/toolkit.py) as /usr/bin/nvidia-ctk
+    and /usr/bin/nvidia-cdi-hook, where NVIDIA's packages put them; the stand-ins' modules
+    in the guest's dist-packages, where their launchers find them."""
+    for tool in (toolkit.NVIDIA_CTK, toolkit.NVIDIA_CDI_HOOK):
+        dest = root / "usr/bin" / tool.name
+        shutil.copyfile(tool, dest)
+        dest.chmod(0o755)
+        module = tool.with_name(tool.name.replace("-", "_") + ".py")
+        if not toolkit.REAL:
+            shutil.copyfile(module, root / "usr/lib/python3/dist-packages" / module.name)
+
+
 def new_node(base: Path, deb: Path, *, gpu: bool = True, **config: object) -> Node:
     """Under ``base`` (created): a fresh rootfs (overlay over the cached trixie tree) with
-    our .deb (``dpkg --root``), the nvidia-ctk stand-in as /usr/bin/nvidia-ctk and
+    our .deb (``dpkg --root``), the tests' nvidia-ctk and nvidia-cdi-hook in /usr/bin and
     ``/etc/unbounded/nvidia-setup.yaml`` (``nvidia_ctk_args: ["--mode=management"]`` plus
     ``config``), and a simulated host. With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
@@ -181,9 +193,7 @@ def new_node(base: Path, deb: Path, *, gpu: bool = True, **config: object) -> No
         sim = simgpu.make_machine(host, gpu=gpu)
         node = Node(rootfs=root, host=host, sim=sim, log_dir=base, gpu=gpu)
         dpkg_install(root, deb)
-        shutil.copyfile(FAKE_CTK, root / "usr/bin/nvidia-ctk")
-        (root / "usr/bin/nvidia-ctk").chmod(0o755)
-        shutil.copyfile(FAKE_CTK_MODULE, root / "usr/lib/python3/dist-packages/nvidia_ctk.py")
+        install_toolkit(root)
         node.config(nvidia_ctk_args=["--mode=management"], **config)
         if gpu:
             node.staging = {p.name: p for p in sim.staging}
