@@ -2,8 +2,9 @@
 
 :func:`fetch_real_driver` downloads the driver's .debs (libcuda1, libnvidia-ml1,
 nvidia-smi, ...) for ``amd64`` or ``arm64`` with a PRIVATE apt configuration (its own
-sources.list, lists, cache and dpkg status; the machine's apt setup is neither read for
-sources nor changed), unpacks them with ``dpkg-deb -x`` and caches the unpacked tree in
+sources.list, lists, cache and dpkg status; of the machine's apt setup only the mirror
+URIs are read, by tests/mirrors.py, and nothing is changed), unpacks them with
+``dpkg-deb -x`` and caches the unpacked tree in
 ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-nvidia/<arch>/`` (default
 ``~/.cache/...``). Later calls read only the cache: offline and fast. A lock file makes
 concurrent callers (parallel pytest runs) wait for one download.
@@ -14,8 +15,8 @@ the relative SONAME links the host's ldconfig makes), which is what the machine 
 ``usr/lib/<multiarch>/nvidia/current/`` behind /etc/alternatives links; that layout is
 never what a staging dir looks like, so it is flattened.
 
-:func:`fetch_ldconfig` fetches Debian's own ldconfig for an architecture (libc-bin, from
-main) the same way, for simulated machines of another CPU (run under qemu user emulation).
+tests/debian_ldconfig.py fetches Debian's own ldconfig of another CPU with the same
+private apt configuration (:class:`PrivateApt`).
 
 Command line: ``python3 tests/realdriver.py [--arch amd64|arm64] [--stage DIR]``.
 """
@@ -38,11 +39,11 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-SUITE = "bookworm"
-DEBIAN_MIRROR = os.environ.get("UNB_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-DEBIAN_SECURITY_MIRROR = os.environ.get(
-    "UNB_DEBIAN_SECURITY_MIRROR", "http://deb.debian.org/debian-security"
-)
+import mirrors
+
+# Debian release -> its NVIDIA driver branch: bookworm 535, trixie 550.
+SUITES = {"bookworm": "535", "trixie": "550"}
+DEFAULT_SUITE = "bookworm"
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 MULTIARCH = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
 
@@ -117,7 +118,7 @@ def cache_dir(arch: str, kind: str = "debian-nvidia") -> Path:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -127,10 +128,10 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-class _Apt:
+class PrivateApt:
     """apt-get/apt-cache with a private configuration rooted at ``base``."""
 
-    def __init__(self, base: Path, arch: str,
+    def __init__(self, base: Path, arch: str, suite: str,
                  components: str = "non-free non-free-firmware") -> None:
         self.base = base
         self.arch = arch
@@ -143,10 +144,14 @@ class _Apt:
         ):
             (base / sub).mkdir(parents=True, exist_ok=True)
         (base / "status").touch()
+        try:
+            archive, security = mirrors.debian_archive(), mirrors.debian_security()
+        except mirrors.MirrorNotFound as exc:
+            raise RealDriverUnavailable(str(exc)) from exc
         signed = f" [signed-by={KEYRING}]" if KEYRING.exists() else ""
         (base / "sources.list").write_text(
-            f"deb{signed} {DEBIAN_MIRROR} {SUITE} {components}\n"
-            f"deb{signed} {DEBIAN_SECURITY_MIRROR} {SUITE}-security {components}\n"
+            f"deb{signed} {archive} {suite} {components}\n"
+            f"deb{signed} {security} {suite}-security {components}\n"
         )
 
     def options(self) -> list[str]:
@@ -195,7 +200,7 @@ class _Apt:
         return proc.stdout
 
 
-def _madison(apt: _Apt, packages: Sequence[str]) -> dict[str, list[str]]:
+def _madison(apt: PrivateApt, packages: Sequence[str]) -> dict[str, list[str]]:
     """package -> versions available for the architecture (newest first as apt lists)."""
     out = apt.run("apt-cache", "madison", *packages)
     found: dict[str, list[str]] = {}
@@ -334,7 +339,7 @@ def fetch_real_driver(
     if arch not in MULTIARCH:
         raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(MULTIARCH)})")
     base = cache_dir(arch)
-    with _locked(base / ".lock"):
+    with locked(base / ".lock"):
         cached = _load_manifest(base, arch)
         if cached is not None and not refresh and set(packages) <= _requested_before(base):
             return cached
@@ -351,11 +356,12 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
-    apt = _Apt(base / "apt", arch)
+    apt = PrivateApt(base / "apt", arch, DEFAULT_SUITE)
     apt.run("apt-get", "update")
     available = _madison(apt, [*REQUIRED_PACKAGES, *packages])
     if "libcuda1" not in available:
-        raise RealDriverUnavailable(f"libcuda1 is not in Debian {SUITE} non-free for {arch}")
+        raise RealDriverUnavailable(
+            f"libcuda1 is not in Debian {DEFAULT_SUITE} non-free for {arch}")
     pkg_version = max(available["libcuda1"], key=_version_key)
     version = pkg_version.split("-", 1)[0]
     wanted: dict[str, str] = {}
@@ -417,75 +423,6 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
     )
     _write_manifest(base, drv, packages)
     return drv
-
-
-# ELF e_machine of each Debian architecture's own programs.
-_ELF_MACHINE = {"amd64": 62, "arm64": 183}
-
-
-def _runs_on(path: Path, arch: str) -> bool:
-    """`path` is an executable ELF file for the CPU of Debian architecture `arch`."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(20)
-    except OSError:
-        return False
-    return (
-        head[:4] == b"\x7fELF"
-        and int.from_bytes(head[18:20], "little") == _ELF_MACHINE[arch]
-        and os.access(path, os.X_OK)
-    )
-
-
-def fetch_ldconfig(arch: str = "arm64") -> Path:
-    """Debian bookworm's own ldconfig for ``arch``, from ``libc-bin`` (component main).
-
-    An ldconfig indexes only libraries of its own architecture (x86_64's says "is for
-    unknown machine 183" to every aarch64 file and leaves it out of the cache), so a
-    simulated aarch64 machine needs aarch64's. Debian's ldconfig is static-pie: no
-    loader or libc of its architecture is needed, ``qemu-aarch64-static`` runs it as it
-    is. Cached in ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-libc-bin/<arch>/``
-    like the driver (later calls are offline); raises RealDriverUnavailable when it
-    cannot be had."""
-    if arch not in _ELF_MACHINE:
-        raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(_ELF_MACHINE)})")
-    base = cache_dir(arch, "debian-libc-bin")
-    binary = base / "ldconfig"
-    with _locked(base / ".lock"):
-        if not _runs_on(binary, arch):
-            _download_ldconfig(base, arch, binary)
-    return binary
-
-
-def _download_ldconfig(base: Path, arch: str, binary: Path) -> None:
-    for tool in ("apt-get", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
-    apt = _Apt(base / "apt", arch, components="main")
-    apt.run("apt-get", "update")
-    debs = base / "apt" / "debs"
-    for old in debs.glob("*.deb"):
-        old.unlink()
-    apt.run("apt-get", "download", "libc-bin", cwd=debs)
-    deb_files = sorted(debs.glob("libc-bin_*.deb"))
-    if len(deb_files) != 1:
-        raise RealDriverUnavailable(f"apt-get download libc-bin gave {len(deb_files)} files")
-    tmp_tree = Path(tempfile.mkdtemp(prefix=".tree-", dir=base))
-    try:
-        subprocess.run(
-            ["dpkg-deb", "-x", str(deb_files[0]), str(tmp_tree)], check=True, capture_output=True
-        )
-        # bookworm ships sbin/ldconfig; later releases moved it to usr/sbin.
-        found = [p for p in (tmp_tree / "sbin/ldconfig", tmp_tree / "usr/sbin/ldconfig")
-                 if _runs_on(p, arch)]
-        if not found:
-            raise RealDriverUnavailable(f"{deb_files[0].name} has no {arch} ldconfig")
-        os.replace(found[0], binary)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise RealDriverUnavailable(f"unpacking {deb_files[0].name} failed: {exc}") from exc
-    finally:
-        shutil.rmtree(tmp_tree, ignore_errors=True)
-        deb_files[0].unlink()
 
 
 def _copy(src: Path, dest: Path, hardlink: bool, mode: int) -> None:
