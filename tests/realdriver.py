@@ -1,12 +1,14 @@
-"""Real NVIDIA driver userspace files for tests, from Debian non-free (bookworm).
+"""Real NVIDIA driver userspace files for tests, from Debian non-free (535 in bookworm,
+550 in trixie).
 
 :func:`fetch_real_driver` downloads the driver's .debs (libcuda1, libnvidia-ml1,
-nvidia-smi, ...) for ``amd64`` or ``arm64`` with a PRIVATE apt configuration (its own
-sources.list, lists, cache and dpkg status; of the machine's apt setup only the mirror
-URIs are read, by tests/mirrors.py, and nothing is changed), unpacks them with
-``dpkg-deb -x`` and caches the unpacked tree in
-``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-nvidia/<arch>/`` (default
-``~/.cache/...``). Later calls read only the cache: offline and fast. A lock file makes
+nvidia-smi, ...) of a Debian suite (:data:`SUITES`) for ``amd64`` or ``arm64`` with a
+PRIVATE apt configuration (its own sources.list, lists, cache and dpkg status; of the
+machine's apt setup only the mirror URIs are read, by tests/mirrors.py, and nothing is
+changed), unpacks them with ``dpkg-deb -x`` and caches the unpacked tree in
+``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-nvidia/<suite>/<arch>/`` (default
+``~/.cache/...``; bookworm's stays at ``debian-nvidia/<arch>/``, where older checkouts
+share it). Later calls read only the cache: offline and fast. A lock file makes
 concurrent callers (parallel pytest runs) wait for one download.
 
 :func:`stage_real_driver` lays the files out like a host library directory (flat, with
@@ -18,7 +20,8 @@ never what a staging dir looks like, so it is flattened.
 tests/debian_ldconfig.py fetches Debian's own ldconfig of another CPU with the same
 private apt configuration (:class:`PrivateApt`).
 
-Command line: ``python3 tests/realdriver.py [--arch amd64|arm64] [--stage DIR]``.
+Command line: ``python3 tests/realdriver.py [--suite bookworm|trixie] [--arch amd64|arm64]
+[--stage DIR]``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class RealDriverUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RealDriver:
+    suite: str  # Debian release: bookworm | trixie
     arch: str  # Debian architecture: amd64 | arm64
     multiarch: str  # x86_64-linux-gnu | aarch64-linux-gnu
     version: str  # driver version, e.g. 535.309.01
@@ -112,9 +116,12 @@ class RealDriver:
         raise KeyError(name)
 
 
-def cache_dir(arch: str, kind: str = "debian-nvidia") -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "unbounded-nvidia-setup-tests" / kind / arch
+def cache_dir(arch: str, kind: str = "debian-nvidia", suite: str = DEFAULT_SUITE) -> Path:
+    """``<cache>/<kind>/<suite>/<arch>``; ``<kind>/<arch>`` for bookworm, the first suite
+    (its path from before there were others, which older checkouts still use)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    top = base / "unbounded-nvidia-setup-tests" / kind
+    return top / arch if suite == DEFAULT_SUITE else top / suite / arch
 
 
 @contextlib.contextmanager
@@ -268,15 +275,17 @@ def _scan(
     return libs, sonames, sorted(helpers), sorted(firmware)
 
 
-def _load_manifest(base: Path, arch: str) -> RealDriver | None:
+def _load_manifest(base: Path, arch: str, suite: str) -> RealDriver | None:
     try:
         data = json.loads((base / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    if data.get("format") != _MANIFEST_FORMAT:
+    # Manifests from before the suites were written for bookworm only.
+    if data.get("format") != _MANIFEST_FORMAT or data.get("suite", DEFAULT_SUITE) != suite:
         return None
     tree = base / data["tree"]
     drv = RealDriver(
+        suite=suite,
         arch=arch,
         multiarch=MULTIARCH[arch],
         version=data["version"],
@@ -299,6 +308,7 @@ def _write_manifest(base: Path, drv: RealDriver, requested: Sequence[str]) -> No
 
     data = {
         "format": _MANIFEST_FORMAT,
+        "suite": drv.suite,
         "version": drv.version,
         "package_version": drv.package_version,
         "tree": drv.tree.name,
@@ -325,10 +335,13 @@ def _requested_before(base: Path) -> set[str]:
 def fetch_real_driver(
     arch: str = "amd64",
     *,
+    suite: str = DEFAULT_SUITE,
     packages: Sequence[str] = DEFAULT_PACKAGES,
     refresh: bool = False,
 ) -> RealDriver:
-    """The newest NVIDIA driver in Debian bookworm + bookworm-security for ``arch``.
+    """The newest NVIDIA driver in Debian ``suite`` + ``suite``-security for ``arch``:
+    535 in bookworm, 550 in trixie. ``packages`` not in the suite are left out, except
+    :data:`REQUIRED_PACKAGES`.
 
     Served from the cache when it holds every requested package (no network at all);
     ``refresh=True`` asks the archive again (keeping the cache, with a warning, when
@@ -338,13 +351,15 @@ def fetch_real_driver(
     apt-get/dpkg-deb, archive unreachable, required package missing)."""
     if arch not in MULTIARCH:
         raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(MULTIARCH)})")
-    base = cache_dir(arch)
+    if suite not in SUITES:
+        raise ValueError(f"unsupported suite {suite!r} (one of {', '.join(SUITES)})")
+    base = cache_dir(arch, suite=suite)
     with locked(base / ".lock"):
-        cached = _load_manifest(base, arch)
+        cached = _load_manifest(base, arch, suite)
         if cached is not None and not refresh and set(packages) <= _requested_before(base):
             return cached
         try:
-            return _download(base, arch, list(dict.fromkeys(packages)), cached)
+            return _download(base, arch, suite, list(dict.fromkeys(packages)), cached)
         except RealDriverUnavailable as exc:
             if cached is None:
                 raise
@@ -352,16 +367,16 @@ def fetch_real_driver(
             return cached
 
 
-def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | None) -> RealDriver:
+def _download(base: Path, arch: str, suite: str, packages: list[str],
+              cached: RealDriver | None) -> RealDriver:
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
-    apt = PrivateApt(base / "apt", arch, DEFAULT_SUITE)
+    apt = PrivateApt(base / "apt", arch, suite)
     apt.run("apt-get", "update")
     available = _madison(apt, [*REQUIRED_PACKAGES, *packages])
     if "libcuda1" not in available:
-        raise RealDriverUnavailable(
-            f"libcuda1 is not in Debian {DEFAULT_SUITE} non-free for {arch}")
+        raise RealDriverUnavailable(f"libcuda1 is not in Debian {suite} non-free for {arch}")
     pkg_version = max(available["libcuda1"], key=_version_key)
     version = pkg_version.split("-", 1)[0]
     wanted: dict[str, str] = {}
@@ -410,6 +425,7 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
         if required not in names:
             raise RealDriverUnavailable(f"{required} is not in the unpacked packages")
     drv = RealDriver(
+        suite=suite,
         arch=arch,
         multiarch=MULTIARCH[arch],
         version=version,
@@ -511,18 +527,20 @@ def stage_real_driver(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Fetch (and stage) a real NVIDIA driver.")
+    parser.add_argument("--suite", default=DEFAULT_SUITE, choices=list(SUITES))
     parser.add_argument("--arch", default="amd64", choices=sorted(MULTIARCH))
     parser.add_argument("--refresh", action="store_true")
     parser.add_argument("--stage", type=Path, help="stage the libraries into this dir")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        drv = fetch_real_driver(args.arch, refresh=args.refresh)
+        drv = fetch_real_driver(args.arch, suite=args.suite, refresh=args.refresh)
     except RealDriverUnavailable as exc:
         print(f"realdriver: {exc}", file=sys.stderr)
         return 1
     print(
-        f"{drv.arch}: NVIDIA {drv.version} (Debian {drv.package_version}) in {drv.tree} "
+        f"{drv.suite} {drv.arch}: NVIDIA {drv.version} (Debian {drv.package_version}) "
+        f"in {drv.tree} "
         f"[{time.monotonic() - start:.1f} s, {drv.total_size / 1e6:.0f} MB]"
     )
     for lib in drv.libraries:
