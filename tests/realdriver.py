@@ -53,8 +53,9 @@ MULTIARCH = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
 # Without these three there is no driver to test with.
 REQUIRED_PACKAGES: tuple[str, ...] = ("libcuda1", "libnvidia-ml1", "nvidia-smi")
 # Compute, video, EGL (the library of the "libEGL_nvidia.so.<ver>: no such file" failure),
-# vdpau (the vdpau/ subdir) and GSP firmware; about 60 MB to download, 310 MB unpacked.
-# Left out: libnvoptix1 (130 MB download), GL/GLX/Vulkan (pass packages=... for more).
+# vdpau (the vdpau/ subdir) and GSP firmware; about 90 MB to download, 270 MB unpacked
+# (trixie's 550: 100 MB, 305 MB). Left out: libnvoptix1 (130 MB download), GL/GLX/Vulkan
+# (pass packages=... for more). A package a suite lacks is skipped (not a required one).
 DEFAULT_PACKAGES: tuple[str, ...] = (
     *REQUIRED_PACKAGES,
     "libnvidia-ptxjitcompiler1",
@@ -68,6 +69,7 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "libnvidia-api1",
     "libegl-nvidia0",
     "libnvidia-eglcore",
+    "libnvidia-gpucomp",  # 550 on: libnvidia-eglcore's DT_NEEDED; not in 535 (bookworm)
     "nvidia-vdpau-driver",
     "nvidia-cuda-mps",
     "firmware-nvidia-gsp",
