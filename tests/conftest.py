@@ -16,7 +16,9 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-import realdriver  # noqa: E402  (tests/ is on the path from here on)
+import debian_ldconfig  # noqa: E402  (tests/ is on the path from here on)
+
+import realdriver  # noqa: E402  (found through the path just set)
 import simgpu  # noqa: E402  (found through the path just set)
 import toolkit  # noqa: E402  (found through the path just set)
 
@@ -101,7 +103,7 @@ def aarch64_ldconfig(tmp_path: Path) -> str:
         if qemu is None:
             raise realdriver.RealDriverUnavailable(
                 "qemu-aarch64-static not found (tests/install-deps installs qemu-user-static)")
-        ldconfig = realdriver.fetch_ldconfig("arm64")
+        ldconfig = debian_ldconfig.fetch_ldconfig("arm64")
     except realdriver.RealDriverUnavailable as e:
         if os.environ.get("CI"):
             raise  # CI must check the aarch64 linker cache for real

@@ -1,11 +1,14 @@
-"""Real NVIDIA driver userspace files for tests, from Debian non-free (bookworm).
+"""Real NVIDIA driver userspace files for tests, from Debian non-free (535 in bookworm,
+550 in trixie).
 
 :func:`fetch_real_driver` downloads the driver's .debs (libcuda1, libnvidia-ml1,
-nvidia-smi, ...) for ``amd64`` or ``arm64`` with a PRIVATE apt configuration (its own
-sources.list, lists, cache and dpkg status; the machine's apt setup is neither read for
-sources nor changed), unpacks them with ``dpkg-deb -x`` and caches the unpacked tree in
-``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-nvidia/<arch>/`` (default
-``~/.cache/...``). Later calls read only the cache: offline and fast. A lock file makes
+nvidia-smi, ...) of a Debian suite (:data:`SUITES`) for ``amd64`` or ``arm64`` with a
+PRIVATE apt configuration (its own sources.list, lists, cache and dpkg status; of the
+machine's apt setup only the mirror URIs are read, by tests/mirrors.py, and nothing is
+changed), unpacks them with ``dpkg-deb -x`` and caches the unpacked tree in
+``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-nvidia/<suite>/<arch>/`` (default
+``~/.cache/...``; bookworm's stays at ``debian-nvidia/<arch>/``, where older checkouts
+share it). Later calls read only the cache: offline and fast. A lock file makes
 concurrent callers (parallel pytest runs) wait for one download.
 
 :func:`stage_real_driver` lays the files out like a host library directory (flat, with
@@ -14,10 +17,11 @@ the relative SONAME links the host's ldconfig makes), which is what the machine 
 ``usr/lib/<multiarch>/nvidia/current/`` behind /etc/alternatives links; that layout is
 never what a staging dir looks like, so it is flattened.
 
-:func:`fetch_ldconfig` fetches Debian's own ldconfig for an architecture (libc-bin, from
-main) the same way, for simulated machines of another CPU (run under qemu user emulation).
+tests/debian_ldconfig.py fetches Debian's own ldconfig of another CPU with the same
+private apt configuration (:class:`PrivateApt`).
 
-Command line: ``python3 tests/realdriver.py [--arch amd64|arm64] [--stage DIR]``.
+Command line: ``python3 tests/realdriver.py [--suite bookworm|trixie] [--arch amd64|arm64]
+[--stage DIR]``.
 """
 
 from __future__ import annotations
@@ -38,19 +42,20 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-SUITE = "bookworm"
-DEBIAN_MIRROR = os.environ.get("UNB_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-DEBIAN_SECURITY_MIRROR = os.environ.get(
-    "UNB_DEBIAN_SECURITY_MIRROR", "http://deb.debian.org/debian-security"
-)
+import mirrors
+
+# Debian release -> its NVIDIA driver branch: bookworm 535, trixie 550.
+SUITES = {"bookworm": "535", "trixie": "550"}
+DEFAULT_SUITE = "bookworm"
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 MULTIARCH = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
 
 # Without these three there is no driver to test with.
 REQUIRED_PACKAGES: tuple[str, ...] = ("libcuda1", "libnvidia-ml1", "nvidia-smi")
 # Compute, video, EGL (the library of the "libEGL_nvidia.so.<ver>: no such file" failure),
-# vdpau (the vdpau/ subdir) and GSP firmware; about 60 MB to download, 310 MB unpacked.
-# Left out: libnvoptix1 (130 MB download), GL/GLX/Vulkan (pass packages=... for more).
+# vdpau (the vdpau/ subdir) and GSP firmware; about 90 MB to download, 270 MB unpacked
+# (trixie's 550: 100 MB, 305 MB). Left out: libnvoptix1 (130 MB download), GL/GLX/Vulkan
+# (pass packages=... for more). A package a suite lacks is skipped (not a required one).
 DEFAULT_PACKAGES: tuple[str, ...] = (
     *REQUIRED_PACKAGES,
     "libnvidia-ptxjitcompiler1",
@@ -64,6 +69,7 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "libnvidia-api1",
     "libegl-nvidia0",
     "libnvidia-eglcore",
+    "libnvidia-gpucomp",  # 550 on: libnvidia-eglcore's DT_NEEDED; not in 535 (bookworm)
     "nvidia-vdpau-driver",
     "nvidia-cuda-mps",
     "firmware-nvidia-gsp",
@@ -89,6 +95,7 @@ class RealDriverUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RealDriver:
+    suite: str  # Debian release: bookworm | trixie
     arch: str  # Debian architecture: amd64 | arm64
     multiarch: str  # x86_64-linux-gnu | aarch64-linux-gnu
     version: str  # driver version, e.g. 535.309.01
@@ -111,13 +118,16 @@ class RealDriver:
         raise KeyError(name)
 
 
-def cache_dir(arch: str, kind: str = "debian-nvidia") -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "unbounded-nvidia-setup-tests" / kind / arch
+def cache_dir(arch: str, kind: str = "debian-nvidia", suite: str = DEFAULT_SUITE) -> Path:
+    """``<cache>/<kind>/<suite>/<arch>``; ``<kind>/<arch>`` for bookworm, the first suite
+    (its path from before there were others, which older checkouts still use)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    top = base / "unbounded-nvidia-setup-tests" / kind
+    return top / arch if suite == DEFAULT_SUITE else top / suite / arch
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -127,10 +137,10 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-class _Apt:
+class PrivateApt:
     """apt-get/apt-cache with a private configuration rooted at ``base``."""
 
-    def __init__(self, base: Path, arch: str,
+    def __init__(self, base: Path, arch: str, suite: str,
                  components: str = "non-free non-free-firmware") -> None:
         self.base = base
         self.arch = arch
@@ -143,10 +153,14 @@ class _Apt:
         ):
             (base / sub).mkdir(parents=True, exist_ok=True)
         (base / "status").touch()
+        try:
+            archive, security = mirrors.debian_archive(), mirrors.debian_security()
+        except mirrors.MirrorNotFound as exc:
+            raise RealDriverUnavailable(str(exc)) from exc
         signed = f" [signed-by={KEYRING}]" if KEYRING.exists() else ""
         (base / "sources.list").write_text(
-            f"deb{signed} {DEBIAN_MIRROR} {SUITE} {components}\n"
-            f"deb{signed} {DEBIAN_SECURITY_MIRROR} {SUITE}-security {components}\n"
+            f"deb{signed} {archive} {suite} {components}\n"
+            f"deb{signed} {security} {suite}-security {components}\n"
         )
 
     def options(self) -> list[str]:
@@ -195,7 +209,7 @@ class _Apt:
         return proc.stdout
 
 
-def _madison(apt: _Apt, packages: Sequence[str]) -> dict[str, list[str]]:
+def _madison(apt: PrivateApt, packages: Sequence[str]) -> dict[str, list[str]]:
     """package -> versions available for the architecture (newest first as apt lists)."""
     out = apt.run("apt-cache", "madison", *packages)
     found: dict[str, list[str]] = {}
@@ -263,15 +277,17 @@ def _scan(
     return libs, sonames, sorted(helpers), sorted(firmware)
 
 
-def _load_manifest(base: Path, arch: str) -> RealDriver | None:
+def _load_manifest(base: Path, arch: str, suite: str) -> RealDriver | None:
     try:
         data = json.loads((base / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    if data.get("format") != _MANIFEST_FORMAT:
+    # Manifests from before the suites were written for bookworm only.
+    if data.get("format") != _MANIFEST_FORMAT or data.get("suite", DEFAULT_SUITE) != suite:
         return None
     tree = base / data["tree"]
     drv = RealDriver(
+        suite=suite,
         arch=arch,
         multiarch=MULTIARCH[arch],
         version=data["version"],
@@ -294,6 +310,7 @@ def _write_manifest(base: Path, drv: RealDriver, requested: Sequence[str]) -> No
 
     data = {
         "format": _MANIFEST_FORMAT,
+        "suite": drv.suite,
         "version": drv.version,
         "package_version": drv.package_version,
         "tree": drv.tree.name,
@@ -320,10 +337,13 @@ def _requested_before(base: Path) -> set[str]:
 def fetch_real_driver(
     arch: str = "amd64",
     *,
+    suite: str = DEFAULT_SUITE,
     packages: Sequence[str] = DEFAULT_PACKAGES,
     refresh: bool = False,
 ) -> RealDriver:
-    """The newest NVIDIA driver in Debian bookworm + bookworm-security for ``arch``.
+    """The newest NVIDIA driver in Debian ``suite`` + ``suite``-security for ``arch``:
+    535 in bookworm, 550 in trixie. ``packages`` not in the suite are left out, except
+    :data:`REQUIRED_PACKAGES`.
 
     Served from the cache when it holds every requested package (no network at all);
     ``refresh=True`` asks the archive again (keeping the cache, with a warning, when
@@ -333,13 +353,15 @@ def fetch_real_driver(
     apt-get/dpkg-deb, archive unreachable, required package missing)."""
     if arch not in MULTIARCH:
         raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(MULTIARCH)})")
-    base = cache_dir(arch)
-    with _locked(base / ".lock"):
-        cached = _load_manifest(base, arch)
+    if suite not in SUITES:
+        raise ValueError(f"unsupported suite {suite!r} (one of {', '.join(SUITES)})")
+    base = cache_dir(arch, suite=suite)
+    with locked(base / ".lock"):
+        cached = _load_manifest(base, arch, suite)
         if cached is not None and not refresh and set(packages) <= _requested_before(base):
             return cached
         try:
-            return _download(base, arch, list(dict.fromkeys(packages)), cached)
+            return _download(base, arch, suite, list(dict.fromkeys(packages)), cached)
         except RealDriverUnavailable as exc:
             if cached is None:
                 raise
@@ -347,15 +369,16 @@ def fetch_real_driver(
             return cached
 
 
-def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | None) -> RealDriver:
+def _download(base: Path, arch: str, suite: str, packages: list[str],
+              cached: RealDriver | None) -> RealDriver:
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
-    apt = _Apt(base / "apt", arch)
+    apt = PrivateApt(base / "apt", arch, suite)
     apt.run("apt-get", "update")
     available = _madison(apt, [*REQUIRED_PACKAGES, *packages])
     if "libcuda1" not in available:
-        raise RealDriverUnavailable(f"libcuda1 is not in Debian {SUITE} non-free for {arch}")
+        raise RealDriverUnavailable(f"libcuda1 is not in Debian {suite} non-free for {arch}")
     pkg_version = max(available["libcuda1"], key=_version_key)
     version = pkg_version.split("-", 1)[0]
     wanted: dict[str, str] = {}
@@ -404,6 +427,7 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
         if required not in names:
             raise RealDriverUnavailable(f"{required} is not in the unpacked packages")
     drv = RealDriver(
+        suite=suite,
         arch=arch,
         multiarch=MULTIARCH[arch],
         version=version,
@@ -417,75 +441,6 @@ def _download(base: Path, arch: str, packages: list[str], cached: RealDriver | N
     )
     _write_manifest(base, drv, packages)
     return drv
-
-
-# ELF e_machine of each Debian architecture's own programs.
-_ELF_MACHINE = {"amd64": 62, "arm64": 183}
-
-
-def _runs_on(path: Path, arch: str) -> bool:
-    """`path` is an executable ELF file for the CPU of Debian architecture `arch`."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(20)
-    except OSError:
-        return False
-    return (
-        head[:4] == b"\x7fELF"
-        and int.from_bytes(head[18:20], "little") == _ELF_MACHINE[arch]
-        and os.access(path, os.X_OK)
-    )
-
-
-def fetch_ldconfig(arch: str = "arm64") -> Path:
-    """Debian bookworm's own ldconfig for ``arch``, from ``libc-bin`` (component main).
-
-    An ldconfig indexes only libraries of its own architecture (x86_64's says "is for
-    unknown machine 183" to every aarch64 file and leaves it out of the cache), so a
-    simulated aarch64 machine needs aarch64's. Debian's ldconfig is static-pie: no
-    loader or libc of its architecture is needed, ``qemu-aarch64-static`` runs it as it
-    is. Cached in ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/debian-libc-bin/<arch>/``
-    like the driver (later calls are offline); raises RealDriverUnavailable when it
-    cannot be had."""
-    if arch not in _ELF_MACHINE:
-        raise ValueError(f"unsupported arch {arch!r} (one of {', '.join(_ELF_MACHINE)})")
-    base = cache_dir(arch, "debian-libc-bin")
-    binary = base / "ldconfig"
-    with _locked(base / ".lock"):
-        if not _runs_on(binary, arch):
-            _download_ldconfig(base, arch, binary)
-    return binary
-
-
-def _download_ldconfig(base: Path, arch: str, binary: Path) -> None:
-    for tool in ("apt-get", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            raise RealDriverUnavailable(f"{tool} not found: cannot fetch Debian packages")
-    apt = _Apt(base / "apt", arch, components="main")
-    apt.run("apt-get", "update")
-    debs = base / "apt" / "debs"
-    for old in debs.glob("*.deb"):
-        old.unlink()
-    apt.run("apt-get", "download", "libc-bin", cwd=debs)
-    deb_files = sorted(debs.glob("libc-bin_*.deb"))
-    if len(deb_files) != 1:
-        raise RealDriverUnavailable(f"apt-get download libc-bin gave {len(deb_files)} files")
-    tmp_tree = Path(tempfile.mkdtemp(prefix=".tree-", dir=base))
-    try:
-        subprocess.run(
-            ["dpkg-deb", "-x", str(deb_files[0]), str(tmp_tree)], check=True, capture_output=True
-        )
-        # bookworm ships sbin/ldconfig; later releases moved it to usr/sbin.
-        found = [p for p in (tmp_tree / "sbin/ldconfig", tmp_tree / "usr/sbin/ldconfig")
-                 if _runs_on(p, arch)]
-        if not found:
-            raise RealDriverUnavailable(f"{deb_files[0].name} has no {arch} ldconfig")
-        os.replace(found[0], binary)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise RealDriverUnavailable(f"unpacking {deb_files[0].name} failed: {exc}") from exc
-    finally:
-        shutil.rmtree(tmp_tree, ignore_errors=True)
-        deb_files[0].unlink()
 
 
 def _copy(src: Path, dest: Path, hardlink: bool, mode: int) -> None:
@@ -574,18 +529,20 @@ def stage_real_driver(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Fetch (and stage) a real NVIDIA driver.")
+    parser.add_argument("--suite", default=DEFAULT_SUITE, choices=list(SUITES))
     parser.add_argument("--arch", default="amd64", choices=sorted(MULTIARCH))
     parser.add_argument("--refresh", action="store_true")
     parser.add_argument("--stage", type=Path, help="stage the libraries into this dir")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        drv = fetch_real_driver(args.arch, refresh=args.refresh)
+        drv = fetch_real_driver(args.arch, suite=args.suite, refresh=args.refresh)
     except RealDriverUnavailable as exc:
         print(f"realdriver: {exc}", file=sys.stderr)
         return 1
     print(
-        f"{drv.arch}: NVIDIA {drv.version} (Debian {drv.package_version}) in {drv.tree} "
+        f"{drv.suite} {drv.arch}: NVIDIA {drv.version} (Debian {drv.package_version}) "
+        f"in {drv.tree} "
         f"[{time.monotonic() - start:.1f} s, {drv.total_size / 1e6:.0f} MB]"
     )
     for lib in drv.libraries:

@@ -46,8 +46,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import mirrors
+
 SUITE = "trixie"
-MIRROR = os.environ.get("UNS_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# The Debian archive comes from the machine's apt sources (tests/mirrors.py); this
+# variable, or mirrors.ARCHIVE_ENV, overrides it.
+MIRROR_ENV = "UNS_TEST_DEBIAN_MIRROR"
 INCLUDE = (
     "systemd",
     "systemd-sysv",
@@ -229,15 +233,16 @@ def _build_tarball(final: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
         tree = work / "root"
+        mirror = mirrors.debian_archive(MIRROR_ENV, mirrors.ARCHIVE_ENV)
         start = time.monotonic()
-        _log(f"debootstrap {SUITE} into {tree} (first run only, about a minute)")
+        _log(f"debootstrap {SUITE} from {mirror} into {tree} (first run only, about a minute)")
         cmd = [
             "debootstrap",
             "--variant=minbase",
             "--include=" + ",".join(INCLUDE),
             SUITE,
             str(tree),
-            MIRROR,
+            mirror,
         ]
         proc = subprocess.run(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -24,9 +24,9 @@ from test_run import check_json, load_spec, mounts, plugin_view, root_of
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 
 
-def fetch(arch: str) -> realdriver.RealDriver:
+def fetch(arch: str, suite: str = realdriver.DEFAULT_SUITE) -> realdriver.RealDriver:
     try:
-        return realdriver.fetch_real_driver(arch)
+        return realdriver.fetch_real_driver(arch, suite=suite)
     except realdriver.RealDriverUnavailable as e:
         if os.environ.get("CI"):
             raise  # CI must prove this for real
@@ -60,9 +60,13 @@ def real_machine(tmp_path: Path, drv: realdriver.RealDriver, *,
     return m
 
 
+@pytest.mark.parametrize("suite", list(realdriver.SUITES), ids=realdriver.SUITES.values())
 @pytest.mark.parametrize("arch", ["amd64"])
-def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str) -> None:
-    drv = fetch(arch)
+def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str, suite: str) -> None:
+    """Bookworm's 535 and trixie's 550, each with its own file set (550 adds
+    libnvidia-gpucomp, 535 has libnvidia-vulkan-producer without a SONAME)."""
+    drv = fetch(arch, suite)
+    assert drv.version.startswith(realdriver.SUITES[suite] + ".")
     m = real_machine(tmp_path, drv)
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr
@@ -73,6 +77,7 @@ def test_real_driver_root_and_spec(tmp_path: Path, cli: Cli, arch: str) -> None:
     real_libs = {p.name for p in drv.libraries}
     assert real_libs <= files | {n for n in real_libs if "vdpau" in n}
     assert not [f for f in files if "525.147.05" in f]
+    assert (f"libnvidia-gpucomp.so.{drv.version}" in files) == (suite == "trixie")
     assert not [f for f in files if f in m.hostile]
     for name in ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"):
         assert (lib / name).is_symlink() and (lib / name).resolve().is_file()
