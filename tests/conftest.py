@@ -17,7 +17,6 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
 import debian_ldconfig  # noqa: E402  (tests/ is on the path from here on)
-
 import realdriver  # noqa: E402  (found through the path just set)
 import simgpu  # noqa: E402  (found through the path just set)
 import toolkit  # noqa: E402  (found through the path just set)

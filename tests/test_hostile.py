@@ -37,7 +37,6 @@ from invariants import (
     traced,
     write_violations,
 )
-from test_realdriver import fetch, real_machine
 from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
 from unbounded_nvidia_setup.plan import own_soname
@@ -45,6 +44,8 @@ from unbounded_nvidia_setup.plan import own_soname
 import realdriver
 import simgpu
 from conftest import Outcome, needs_root
+from realmachine import real_machine
+from test_realdriver import fetch
 from test_run import snapshot
 
 pytestmark = [

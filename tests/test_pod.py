@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from invariants import secure_after  # noqa: F401  (fixture)
 
 import pod
@@ -26,12 +27,12 @@ import realdriver
 import simgpu
 import toolkit
 from conftest import Cli, needs_root
-from test_realdriver import real_machine
+from realmachine import real_machine
 from test_run import root_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 
-SUITES = {"535": "bookworm", "550": "trixie"}
+SUITES = {major: suite for suite, major in realdriver.SUITES.items()}
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 CUDA_SUCCESS = 0
 SMI_NO_DRIVER = "couldn't communicate with the NVIDIA driver"

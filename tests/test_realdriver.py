@@ -17,8 +17,8 @@ from invariants import (
 from unbounded_nvidia_setup.elf import read_elf
 
 import realdriver
-import simgpu
 from conftest import Cli, needs_root
+from realmachine import real_machine
 from test_run import check_json, load_spec, mounts, plugin_view, root_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -31,33 +31,6 @@ def fetch(arch: str, suite: str = realdriver.DEFAULT_SUITE) -> realdriver.RealDr
         if os.environ.get("CI"):
             raise  # CI must prove this for real
         pytest.skip(f"real NVIDIA files unavailable: {e}")
-
-
-def real_machine(tmp_path: Path, drv: realdriver.RealDriver, *,
-                 keep_hostile: bool = False) -> simgpu.SimMachine:
-    """A simulated host whose current driver is replaced by the real one. With
-    `keep_hostile`, simgpu's hostile entries and its setuid library stay beside the real
-    files, and the machine's expectations are rewritten for the real file set."""
-    m = simgpu.make_machine(tmp_path / "root", version=drv.version, hostile=True,
-                            stale_versions=("525.147.05",))
-    for name in [*m.expected_libs, *m.expected_links]:
-        path = m.lib_dir / name
-        kept = keep_hostile and (name in m.hostile or "setuid" in name)
-        if os.path.lexists(path) and not kept:
-            path.unlink()
-    assert m.bin_dir is not None and m.firmware_dir is not None
-    for helper in m.helpers:
-        (m.bin_dir / helper).unlink()
-    shutil.rmtree(m.firmware_dir / "nvidia" / drv.version)
-    realdriver.stage_real_driver(m.lib_dir, drv, bin_dir=m.bin_dir,
-                                 firmware_dir=m.firmware_dir, hardlink=True)
-    if keep_hostile:
-        m.expected_libs = {realdriver._staged_name(p): None for p in drv.libraries}
-        m.expected_libs.update({n: s for n, s in m.optional_libs.items() if "setuid" in n})
-        m.expected_libs[f"libnvidia-setuid.so.{drv.version}"] = "libnvidia-setuid.so.1"
-        m.helpers = sorted(p.name for p in drv.helpers)
-    m.write_config()
-    return m
 
 
 @pytest.mark.parametrize("suite", list(realdriver.SUITES), ids=realdriver.SUITES.values())
