@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pod
 import realdriver
@@ -57,7 +58,7 @@ def show_tree(path: Path) -> None:
             print(f"  {rel}  ({p.stat().st_size} bytes, {oct(p.stat().st_mode & 0o7777)})")
 
 
-def show_pod(title: str, result: pod.Pod) -> None:
+def show_pod(title: str, result: pod.Pod) -> dict[str, Any]:
     print(f"  {title}")
     report = result.report()
     print(f"    devices: {' '.join('/dev/' + d for d in report['devices'])}")
@@ -66,6 +67,7 @@ def show_pod(title: str, result: pod.Pod) -> None:
         print(f"      {line}")
     print(f"    nvmlInit_v2() = {report['nvmlInit_v2']}    cuInit(0) = {report['cuInit']}")
     print(f"    nvidia-smi: {report['nvidia_smi'][1]}")
+    return report
 
 
 def gpu_pod(work: Path) -> None:
@@ -81,12 +83,18 @@ def gpu_pod(work: Path) -> None:
     tool(m.root, "run")
     print("  the container image: a Debian trixie tree (tests/rootfs.py, built once)")
     staging = [m.root / "run/host-nvidia"]
-    show_pod("with the spec run installed (staging hidden, as a pod's runtime sees it):",
-             pod.probe(etc_cdi=m.cdi_spec.parent, hide=staging))
+    good = show_pod("with the spec run installed (staging hidden, as a pod's runtime sees it):",
+                    pod.probe(etc_cdi=m.cdi_spec.parent, hide=staging))
     incident = pod.spec_without(m.cdi_spec, work / "incident-spec", mounts=(
         f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}"))
-    show_pod("with the incident's spec (no libcuda and NVML mounts):",
-             pod.probe(etc_cdi=incident, hide=staging))
+    bad = show_pod("with the incident's spec (no libcuda and NVML mounts):",
+                   pod.probe(etc_cdi=incident, hide=staging))
+    print("  (no GPU here: NVML's 9 is NVML_ERROR_DRIVER_NOT_LOADED and cuInit's 100 "
+          "CUDA_ERROR_NO_DEVICE,\n   answers of a loaded libcuda and NVML; the incident's "
+          "pod cannot load them at all)")
+    gaps = pod.missing(good, drv.version)
+    if gaps or pod.SMI_NO_NVML not in bad["nvidia_smi"][1]:
+        raise SystemExit(f"demo: the pod did not get {', '.join(gaps) or 'the incident'}")
 
 
 def main() -> int:

@@ -70,6 +70,34 @@ print(json.dumps(r))
 """
 
 
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+CUDA_SUCCESS = 0
+SMI_NO_DRIVER = "couldn't communicate with the NVIDIA driver"
+SMI_NO_NVML = "couldn't find libnvidia-ml.so library in your system"
+
+
+def missing(report: dict[str, Any], version: str) -> list[str]:
+    """What a GPU pod of driver ``version`` should get and did not, by :data:`PROBE`'s
+    ``report`` (empty: everything): without a GPU, NVML answers 9
+    (NVML_ERROR_DRIVER_NOT_LOADED), cuInit a CUDA error code, and nvidia-smi that it
+    could not reach the driver, which it says only once it has loaded NVML."""
+    gaps = []
+    if not {"nvidia0", "nvidiactl"} <= set(report["devices"]):
+        gaps.append("/dev/nvidia0 and /dev/nvidiactl")
+    for soname, stem in (("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia-ml.so")):
+        if soname not in report["ldcache"]:
+            gaps.append(f"{soname} in the linker cache")
+        elif os.path.basename(report["ldcache"][soname][1]) != f"{stem}.{version}":
+            gaps.append(f"{soname} resolving to {stem}.{version}")
+    if report["nvmlInit_v2"] != NVML_ERROR_DRIVER_NOT_LOADED:
+        gaps.append("nvmlInit_v2 answering 9")
+    if not isinstance(report["cuInit"], int) or report["cuInit"] == CUDA_SUCCESS:
+        gaps.append("cuInit answering a CUDA error code")
+    if SMI_NO_DRIVER not in report["nvidia_smi"][1]:
+        gaps.append("nvidia-smi loading NVML")
+    return gaps
+
+
 class PodUnavailable(RuntimeError):
     """A container runtime cannot run here (not root, podman or runc missing)."""
 
