@@ -136,35 +136,56 @@ def image() -> Path:
     return rootfs.ensure_tree()
 
 
-def _script(etc_cdi: Path | None, run_cdi: Path | None, hide: Sequence[Path],
-            before: Sequence[Sequence[str]], argv: Sequence[str]) -> str:
+# Shell lines that set up a pod's mount namespace (run's ``setup``), one job each.
+def bind(source: Path, target: Path) -> str:
+    return f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}"
+
+
+def tmpfs(target: Path) -> str:
+    return f"mount -t tmpfs -o size=1g,mode=755 none {shlex.quote(str(target))}"
+
+
+def copy(source: Path, target: Path) -> str:
+    return f"cp -a {shlex.quote(str(source))} {shlex.quote(str(target))}"
+
+
+def add_files(source: Path, target: Path) -> str:
+    """The files of directory ``source`` appear in ``target`` too (a read-only overlay)."""
+    return (f"mount -t overlay overlay -o lowerdir={shlex.quote(f'{source}:{target}')} "
+            f"{shlex.quote(str(target))}")
+
+
+def dev_with(nodes: Sequence[Path], scratch: Path) -> list[str]:
+    """/dev as the host's plus the device nodes ``nodes`` (copied): a tmpfs over /dev
+    holding links to the host's entries (kept reachable at ``scratch``, an empty
+    directory) and the copies. The CDI library stats each spec device's host path."""
     q = shlex.quote
-    lines = ["set -e", "mkdir -p /etc/cdi /var/run/cdi"]
-    for target, source in (("/etc/cdi", etc_cdi), ("/var/run/cdi", run_cdi)):
-        if source is None:
-            lines.append(f"mount -t tmpfs -o size=1m,mode=755 none {target}")
-        else:
-            lines.append(f"mount --bind {q(str(source))} {target}")
-    for path in hide:
-        lines.append(f"mount -t tmpfs -o size=1m,mode=755 none {q(str(path))}")
-    lines += [" ".join(q(a) for a in cmd) for cmd in before]
-    lines.append("exec " + " ".join(q(a) for a in argv))
-    return "\n".join(lines)
+    lines = [f"mount --rbind /dev {q(str(scratch))}", tmpfs(Path("/dev")),
+             f"for e in {q(str(scratch))}/*; do ln -s \"$e\" /dev/; done"]
+    return lines + [copy(node, Path("/dev") / node.name) for node in nodes]
 
 
 def run(device: str, argv: Sequence[str], *, etc_cdi: Path | None = None,
-        run_cdi: Path | None = None, hide: Sequence[Path] = (),
+        run_cdi: Path | None = None, hide: Sequence[Path] = (), setup: Sequence[str] = (),
         before: Sequence[Sequence[str]] = (), timeout: float = TIMEOUT) -> Pod:
     """Start a container with ``--device DEVICE`` (e.g. ``nvidia.com/gpu=all``) running
-    ``argv``, with the CDI specs of ``etc_cdi`` and ``run_cdi``; see the module doc."""
+    ``argv``, with the CDI specs of ``etc_cdi`` and ``run_cdi`` (an empty directory for
+    None) and an empty tmpfs over each ``hide`` path; ``setup`` (shell lines made by
+    the helpers above) runs first, ``before`` (commands) last. See the module doc."""
     why = unavailable()
     if why is not None:
         raise PodUnavailable(why)
     name = f"unb-pod-{uuid.uuid4().hex[:12]}"
     podman = [*PODMAN_RUN, "--name", name, "--device", device, "--rootfs",
               f"{image()}:O", *argv]
-    script = _script(etc_cdi, run_cdi, hide, before, podman)
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    lines = ["set -e", *setup]
+    for specs, target in ((etc_cdi, Path("/etc/cdi")), (run_cdi, Path("/var/run/cdi"))):
+        os.makedirs(target, exist_ok=True)
+        lines.append(tmpfs(target) if specs is None else bind(specs, target))
+    lines += [tmpfs(path) for path in hide]
+    lines += [" ".join(shlex.quote(a) for a in cmd) for cmd in before]
+    lines.append("exec " + " ".join(shlex.quote(a) for a in podman))
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL, start_new_session=True)

@@ -18,6 +18,15 @@ def real_machine(tmp_path: Path, drv: realdriver.RealDriver, *,
     files, and the machine's expectations are rewritten for the real file set."""
     m = simgpu.make_machine(tmp_path / "root", version=drv.version, hostile=True,
                             stale_versions=("525.147.05",))
+    use_real_driver(m, drv, keep_hostile=keep_hostile)
+    m.write_config()
+    return m
+
+
+def use_real_driver(m: simgpu.SimMachine, drv: realdriver.RealDriver, *,
+                    keep_hostile: bool = False) -> None:
+    """Replace the simulated current driver of ``m`` (made with ``version=drv.version``)
+    by the real files, hard-linked from the cache; see :func:`real_machine`."""
     for name in [*m.expected_libs, *m.expected_links]:
         path = m.lib_dir / name
         kept = keep_hostile and (name in m.hostile or "setuid" in name)
@@ -34,5 +43,3 @@ def real_machine(tmp_path: Path, drv: realdriver.RealDriver, *,
         m.expected_libs.update({n: s for n, s in m.optional_libs.items() if "setuid" in n})
         m.expected_libs[f"libnvidia-setuid.so.{drv.version}"] = "libnvidia-setuid.so.1"
         m.helpers = sorted(p.name for p in drv.helpers)
-    m.write_config()
-    return m

@@ -27,6 +27,8 @@ import hostcmd
 import rootfs
 from check_schema import parse_check
 
+import realdriver
+import realmachine
 import simgpu
 import toolkit
 from .nspawn import HOST_PATH, Bind, Machine
@@ -71,9 +73,14 @@ def _has_overlayfs() -> bool:
 def require_boot_support() -> None:
     """Skip (or fail when $CI is set) unless boot tests can run here."""
     problems = _missing_requirements()
-    if not problems:
+    if problems:
+        require(False, "boot tests cannot run: " + "; ".join(problems))
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip with ``reason`` unless ``ok``; fail instead when $CI is set."""
+    if ok:
         return
-    reason = "boot tests cannot run: " + "; ".join(problems)
     if os.environ.get("CI"):
         pytest.fail(reason + " [CI is set: boot tests must run, not skip]", pytrace=False)
     pytest.skip(reason)
@@ -178,11 +185,13 @@ def install_toolkit(root: Path) -> None:
             shutil.copyfile(module, root / "usr/lib/python3/dist-packages" / module.name)
 
 
-def new_node(base: Path, deb: Path, *, gpu: bool = True, **config: object) -> Node:
+def new_node(base: Path, deb: Path, *, gpu: bool = True,
+             driver: realdriver.RealDriver | None = None, **config: object) -> Node:
     """Under ``base`` (created): a fresh rootfs (overlay over the cached trixie tree) with
     our .deb (``dpkg --root``), the tests' nvidia-ctk and nvidia-cdi-hook in /usr/bin and
     ``/etc/unbounded/nvidia-setup.yaml`` (``nvidia_ctk_args: ["--mode=management"]`` plus
-    ``config``), and a simulated host. With ``gpu`` its three staging dirs are bound at
+    ``config``), and a simulated host (carrying the real ``driver`` when one is given, else
+simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
     Release it with :func:`destroy_node` (the ``make_node`` fixture does)."""
     base.mkdir(parents=True)
@@ -190,7 +199,11 @@ def new_node(base: Path, deb: Path, *, gpu: bool = True, **config: object) -> No
     rootfs.fresh_rootfs(root, overlay=True)
     host = base / "host"
     try:
-        sim = simgpu.make_machine(host, gpu=gpu)
+        if driver is None:
+            sim = simgpu.make_machine(host, gpu=gpu)
+        else:
+            sim = simgpu.make_machine(host, driver.version, gpu=gpu)
+            realmachine.use_real_driver(sim, driver)
         node = Node(rootfs=root, host=host, sim=sim, log_dir=base, gpu=gpu)
         dpkg_install(root, deb)
         install_toolkit(root)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
+import pod
+import realdriver
 from .harness import (
     CONTAINERD,
     KUBELET,
@@ -23,6 +26,7 @@ from .harness import (
     host_command,
     is_active,
     record_timing,
+    require,
     service_events,
     snapshot,
     us,
@@ -387,3 +391,50 @@ def test_reload_refreshes_the_spec_only(make_node: NodeFactory) -> None:
         s = m.show(SETUP, "ActiveState", "SubState")
         assert (s["ActiveState"], s["SubState"]) == ("active", "exited"), s
         assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
+
+
+def test_a_pod_on_a_booted_gpu_node(make_node: NodeFactory, tmp_path: Path) -> None:
+    """After a GPU boot on the real Debian driver, a container started from the machine's
+    own /etc/cdi/nvidia.yaml gets the driver (tests/pod.py's assertions).
+
+    podman and runc are the host's, in a mount namespace that shows the machine's paths
+    where its spec names them. They are copied, not bind-mounted: the kernel refuses to
+    bind a mount of another mount namespace (`mount --bind /proc/<pid>/root/run/nvidia`
+    attaches the directory beneath the machine's /run tmpfs; open_tree answers EINVAL).
+    Copied with `cp -a`: the machine's driver root to /run/nvidia/driver, its spec to
+    /etc/cdi, its device nodes (the host's nodes nspawn bound in) to /dev, and the
+    nvidia-cdi-hook its nvidia-ctk named in the hooks to /usr/bin."""
+    why = pod.unavailable()
+    require(why is None, f"no container runtime: {why}")
+    try:
+        drv = realdriver.fetch_real_driver()
+    except realdriver.RealDriverUnavailable as e:
+        require(False, f"real NVIDIA files unavailable: {e}")
+        raise
+    node = make_node(driver=drv)
+    with node.machine() as m:
+        assert_gpu_node_ready(m, node)
+        guest = Path(f"/proc/{m.leader}/root")
+        specs, hook, scratch = (tmp_path / name for name in ("cdi", "hook", "dev"))
+        for path in (specs, hook, scratch):
+            path.mkdir()
+        shutil.copy2(guest / SPEC.lstrip("/"), specs)
+        assert "path: /usr/bin/nvidia-cdi-hook" in (specs / "nvidia.yaml").read_text()
+        shutil.copy2(guest / "usr/bin/nvidia-cdi-hook", hook)
+        module = guest / "usr/lib/python3/dist-packages/nvidia_cdi_hook.py"
+        if module.exists():  # the stand-in's launcher looks beside itself first
+            shutil.copy2(module, hook)
+        nodes = [Path(f"/dev/{name}") for name in node.sim.devices]
+        run_nvidia = Path("/run/nvidia")
+        made = not run_nvidia.exists()
+        run_nvidia.mkdir(exist_ok=True)
+        try:
+            setup = [*pod.dev_with([guest / n.relative_to("/") for n in nodes], scratch),
+                     pod.tmpfs(run_nvidia),
+                     pod.copy(guest / DRIVER_ROOT.lstrip("/"), Path(DRIVER_ROOT)),
+                     pod.add_files(hook, Path("/usr/bin"))]
+            result = pod.probe(etc_cdi=specs, setup=setup)
+        finally:
+            if made:
+                run_nvidia.rmdir()
+        assert pod.missing(result.report(), drv.version) == [], result.output
