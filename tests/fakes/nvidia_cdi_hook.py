@@ -175,7 +175,7 @@ def decode(text: str, go_type: str, fields: dict[str, tuple[type, str]]) -> Obj:
     try:
         value = json.JSONDecoder(object_pairs_hook=Obj).raw_decode(body)[0] if body else None
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(body.rstrip()):
+        if exc.pos >= len(body.rstrip()) or exc.msg.startswith("Unterminated string"):
             raise ValueError("unexpected EOF") from exc
         if exc.msg == "Expecting value":
             raise ValueError(f"invalid character {body[exc.pos]!r} looking for beginning of "
