@@ -87,6 +87,34 @@ def m(tmp_path: Path) -> simgpu.SimMachine:
     return machine
 
 
+@pytest.fixture(scope="session")
+def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Compiles (once per SONAME) a real shared object with that DT_SONAME; libnvidia-ml
+    (libnvidia-ml.so.1) with NVML's entry points, as the real one has them. Used by the
+    nvidia-ctk and nvidia-cdi-hook stand-in tests."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build real ELF shared objects")
+    directory = tmp_path_factory.mktemp("so")
+    plain = directory / "empty.c"
+    plain.write_text("int fake_symbol;\n")
+    nvml = directory / "nvml.c"
+    nvml.write_text(simgpu.nvml_source())
+    built: dict[str, Path] = {}
+
+    def build(soname: str) -> Path:
+        if soname not in built:
+            out = directory / f"{soname}.bin"
+            source = nvml if soname == simgpu.NVML_SONAME else plain
+            subprocess.run(
+                ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(source)],
+                check=True,
+            )
+            built[soname] = out
+        return built[soname]
+
+    return build
+
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown)")
 
 

@@ -99,33 +99,6 @@ def links(spec: dict[str, Any]) -> list[str]:
     return args[1::2]
 
 
-@pytest.fixture(scope="session")
-def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Compiles (once per SONAME) a real shared object with that DT_SONAME; libnvidia-ml
-    (libnvidia-ml.so.1) with NVML's entry points, as the real one has them."""
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build real ELF shared objects")
-    directory = tmp_path_factory.mktemp("so")
-    plain = directory / "empty.c"
-    plain.write_text("int fake_symbol;\n")
-    nvml = directory / "nvml.c"
-    nvml.write_text(simgpu.nvml_source())
-    built: dict[str, Path] = {}
-
-    def build(soname: str) -> Path:
-        if soname not in built:
-            out = directory / f"{soname}.bin"
-            source = nvml if soname == simgpu.NVML_SONAME else plain
-            subprocess.run(
-                ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(source)],
-                check=True,
-            )
-            built[soname] = out
-        return built[soname]
-
-    return build
-
-
 @dataclass
 class Tree:
     """A directory tree builder (driver roots, dev roots, staging dirs)."""

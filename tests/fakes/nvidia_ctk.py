@@ -37,6 +37,11 @@ Deliberate simplifications (documented, deterministic under tests):
   not simulated, so auto always resolves to nvml here, exactly as on a non-Tegra, non-WSL
   host; management mode is used only when asked for.
 * The ``<root>/etc/ld.so.cache`` fallback of the library locator is not implemented.
+* The hook path in the spec (``--nvidia-cdi-hook-path``) follows
+  ``config.ResolveNVIDIACDIHookPath``: absolute = as given; else the first executable
+  ``nvidia-cdi-hook`` (or the given name) in ``$PATH`` + the default PATH dirs, else
+  ``/usr/bin/nvidia-cdi-hook`` (``nvidia-ctk``: ``/usr/bin/nvidia-ctk``, args ``nvidia-ctk
+  hook ...``). Glob characters in a ``$PATH`` entry are taken literally here.
 * Helper binaries are searched only below the driver root in the default PATH dirs (the
   real tool also searches ``$PATH`` and the caller's own ``/usr/bin`` etc.).
 * Graphics files (EGL/Vulkan ICD json, Xorg modules), the MPS pipe dir, nvsandboxutils'
@@ -145,6 +150,7 @@ CONTROL_DEVICE_PATTERNS = (
 )
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 DEFAULT_HOOK_PATH = "/usr/bin/nvidia-cdi-hook"
+DEFAULT_CTK_PATH = "/usr/bin/nvidia-ctk"
 
 MODES_ALWAYS = ("auto", "csv", "gds", "management", "mofed", "nvml", "wsl")
 MODES_SINCE_1_18 = ("gdrcopy", "imex", "nvswitch")
@@ -574,6 +580,36 @@ class HookCreator:
             "args": [*fixed, name, *extra],
             "env": ["NVIDIA_CTK_DEBUG=false"],
         }
+
+
+def resolve_hook_path(log: Logger, path: str) -> str:
+    """config.ResolveNVIDIACDIHookPath: an absolute path is used as given; otherwise the
+    executable locator looks for the name (nvidia-cdi-hook when none is given) in $PATH, then
+    in the default PATH dirs that $PATH lacks, and the first executable non-directory found
+    is used, as found (not resolved). A name with a '/' is only checked. Nothing found: a
+    warning and /usr/bin/nvidia-cdi-hook (/usr/bin/nvidia-ctk for a path named nvidia-ctk)."""
+    ctk = posixpath.basename(path) == "nvidia-ctk"
+    label = "NVIDIA Container Toolkit CLI" if ctk else "NVIDIA CDI Hook CLI"
+    default = DEFAULT_CTK_PATH if ctk else DEFAULT_HOOK_PATH
+    if path.startswith("/"):
+        log.debug(f"Using specified {label} path {path}")
+        return path
+    name = path or posixpath.basename(default)
+    log.debug(f"Locating {label} as {name}")
+    if "/" in name:
+        reason = assert_executable(name)
+        found = [] if reason else [name]
+        error = f"absolute path {name} is not an executable file: {reason}"
+    else:
+        dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+        dirs += [d for d in EXECUTABLE_SEARCH_DIRS if d not in dirs]
+        found = Locator(log, "", dirs, assert_executable, count=1, required=False).locate(name)
+        error = f"{name}: not found"
+    if not found:
+        log.warning(f"Failed to locate {name}: {error}")
+        return default
+    log.debug(f"Found {name} candidates: {found}")
+    return found[0]
 
 
 def is_driver_library(library: str, filename: str) -> bool:
@@ -1176,7 +1212,7 @@ def validate_generate(
     if device_ids != ["all"]:
         raise CtkError(f"--device-id {device_ids} is not simulated by this test stand-in")
     driver_root = _str(values, "driver-root") or "/"
-    hook_path = _str(values, "nvidia-cdi-hook-path") or DEFAULT_HOOK_PATH
+    hook_path = resolve_hook_path(log, _str(values, "nvidia-cdi-hook-path"))
     return GenerateOptions(
         output=output,
         format=fmt,
