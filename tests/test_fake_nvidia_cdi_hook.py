@@ -28,10 +28,9 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import FAKE_CTK, needs_root
+import toolkit
+from conftest import needs_root
 
-STAND_IN = Path(__file__).parent / "fakes" / "nvidia-cdi-hook"
-REAL_CTK = os.environ.get("UNB_TEST_NVIDIA_CTK", "")
 ARCH = os.uname().machine
 MULTIARCH = f"/lib/{ARCH}-linux-gnu"
 VER = "535.309.01"
@@ -52,9 +51,10 @@ class Impl:
     ctk: Path
 
 
-IMPLS = [pytest.param(Impl("stand-in", STAND_IN, FAKE_CTK), id="stand-in")]
-if REAL_CTK:
-    real = Impl("real", Path(REAL_CTK).parent / "nvidia-cdi-hook", Path(REAL_CTK))
+IMPLS = [pytest.param(Impl("stand-in", toolkit.STAND_IN_NVIDIA_CDI_HOOK,
+                          toolkit.STAND_IN_NVIDIA_CTK), id="stand-in")]
+if toolkit.REAL:
+    real = Impl("real", toolkit.NVIDIA_CDI_HOOK, toolkit.NVIDIA_CTK)
     IMPLS.append(pytest.param(real, id="real"))
 
 
