@@ -227,8 +227,7 @@ def test_debug_comes_from_the_environment_the_spec_sets(
                                         'variable "NVIDIA_CTK_DEBUG" for flag debug: parse error')
 
 
-@pytest.mark.parametrize("name", ["chmod", "enable-cuda-compat",
-                                  "disable-device-node-modification",
+@pytest.mark.parametrize("name", ["chmod", "disable-device-node-modification",
                                   "update-application-profile"])
 def test_other_hooks_fail_as_not_simulated(impl: Impl, name: str) -> None:
     stand_in_only(impl, "the real hook runs these")
@@ -420,6 +419,38 @@ def test_a_dangling_directory_link_fails(impl: Impl, container: Callable[..., Co
 
 
 # --------------------------------------------------------------------------- update-ldcache
+
+
+def test_enable_cuda_compat_without_compat_libraries_does_nothing(
+        impl: Impl, tmp_path: Path, container: Callable[..., Container]) -> None:
+    """nvidia-ctk 1.20 puts this hook in every spec it writes by default (the device
+    plugin's among them): a container without CUDA forward-compat libraries is left as it
+    was, with or without the host's driver version."""
+    c = container()
+    before = tree(tmp_path)
+    for args in ((), ("--host-driver-version", VER)):
+        result = c.hook(impl, "enable-cuda-compat", *args)
+        assert (result.code, result.logged("error")) == (0, []), result.stderr
+    assert tree(tmp_path) == before
+    (c.root / "usr/local/cuda/compat").mkdir(parents=True)
+    before = tree(tmp_path)
+    result = c.hook(impl, "enable-cuda-compat", "--host-driver-version", VER)
+    assert (result.code, result.logged("error")) == (0, []), result.stderr
+    assert tree(tmp_path) == before
+    result = run(impl.hook, "enable-cuda-compat", "--host-driver-version", VER,
+                 stdin='{"bundle": "/nonexistent"}')
+    assert result.code == 1 and result.error.startswith("failed to determined container root")
+
+
+def test_enable_cuda_compat_with_compat_libraries_is_not_simulated(
+        impl: Impl, container: Callable[..., Container]) -> None:
+    stand_in_only(impl, "the real hook reads the compat library's ELF header")
+    c = container()
+    compat = c.root / "usr/local/cuda/compat"
+    compat.mkdir(parents=True)
+    (compat / "libcuda.so.575.57.08").write_bytes(b"\x7fELF")
+    result = c.hook(impl, "enable-cuda-compat", "--host-driver-version", VER)
+    assert result.code == 1 and "not simulated" in result.error
 
 
 def assert_scratch_left(c: Container) -> None:

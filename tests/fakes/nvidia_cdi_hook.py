@@ -51,8 +51,10 @@ Simplified (deliberate):
 * Other JSON syntax errors carry Python's message; only the state's ociVersion, id, status,
   pid, bundle, annotations and the spec's root, root.path/readonly are type-checked (not the
   annotations' values); Go's Glob is approximated by Python's glob.
-* chmod, enable-cuda-compat, disable-device-node-modification and
-  update-application-profile fail with "not simulated" (exit 1); ``noop`` does nothing.
+* enable-cuda-compat does what the real one does when the container has no CUDA compat
+  library (nothing); with one, deciding from its ELF header is not simulated (exit 1).
+* chmod, disable-device-node-modification and update-application-profile fail with
+  "not simulated" (exit 1); ``noop`` does nothing.
 
 Test knob: FAKE_NVIDIA_CDI_HOOK_LOG=<file> appends ``json.dumps(argv[1:])`` per call.
 """
@@ -77,8 +79,8 @@ from typing import Any
 
 VERSION, COMMIT = "1.20.0", "5505e2f94d9aaa08561490db974ba3cd676af209"
 APP = "NVIDIA CDI Hook"
-NOT_SIMULATED = ("chmod", "enable-cuda-compat", "disable-device-node-modification",
-                 "update-application-profile")
+NOT_SIMULATED = ("chmod", "disable-device-node-modification", "update-application-profile")
+CUDA_COMPAT_DIR = "/usr/local/cuda/compat"
 LDSOCONF, LDSOCONFD = "/etc/ld.so.conf", "/etc/ld.so.conf.d"
 LDCONFIG_ARGV = ["ldconfig", "-f", LDSOCONF, "-C", "/etc/ld.so.cache"]
 ARCH = {"x86_64": "x86_64", "aarch64": "aarch64"}.get(os.uname().machine, "")
@@ -91,6 +93,8 @@ GO_BOOLS = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
 COMMANDS = {  # their flags
     "create-symlinks": {"link": "slice", "container-spec": "string"},
     "update-ldcache": {"folder": "slice", "ldconfig-path": "string", "container-spec": "string"},
+    "enable-cuda-compat": {"host-driver-version": "string", "host-cuda-version": "string",
+                           "cuda-compat-container-root": "string", "container-spec": "string"},
 }
 PERSISTENT_FLAGS = {"debug": "bool", "d": "bool", "quiet": "bool", "help": "bool", "h": "bool"}
 GLOBAL_FLAGS = {**PERSISTENT_FLAGS, "version": "bool", "v": "bool"}
@@ -491,6 +495,33 @@ def update_ldcache(folders: Sequence[str], ldconfig_path: str, root: str) -> int
 # --------------------------------------------------------------------------- command line
 
 
+def enable_cuda_compat(options: dict[str, Any], spec_file: str) -> None:
+    """cudacompat.go: nothing to do without host versions, or without exactly one
+    ``libcuda.so.*.*`` in the container's compat dir; deciding from that library's ELF
+    header whether to use it is not simulated."""
+    if not (options.get("host-driver-version") or options.get("host-cuda-version")):
+        return
+    root = find_root(spec_file, ldcache=False)
+    try:
+        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+    except OSError as exc:
+        raise HookError(f"failed to open container root: open {root}: {go_err(exc)}") from exc
+    compat = options.get("cuda-compat-container-root") or CUDA_COMPAT_DIR
+
+    def count() -> None:  # in the root: 0, 1 or "more" compat libraries
+        os._exit(min(len(glob.glob(go_join(compat, "libcuda.so.*.*"))), 2))
+
+    try:
+        code, _ = in_root(root_fd, count)
+    finally:
+        os.close(root_fd)
+    if code == 1:
+        raise HookError("enable-cuda-compat with CUDA compat libraries in the container is "
+                        "not simulated by this nvidia-cdi-hook test stand-in")
+    if code > 1:
+        log("warning", "Unexpected number of CUDA compat libraries in container")
+
+
 def parse_flags(args: Sequence[str], flags: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     """urfave/cli v3 on Go's flag syntax: -x/--x, =value or the next argument, positional
     arguments anywhere, '--' ends the flags, slice values split at commas."""
@@ -561,6 +592,9 @@ def run_command(command: str, args: Sequence[str], values: dict[str, Any]) -> in
         spec_file = options.get("container-spec", "")
         if command == "create-symlinks":
             create_symlinks(options.get("link", []), find_root(spec_file, ldcache=False))
+            return 0
+        if command == "enable-cuda-compat":
+            enable_cuda_compat(options, spec_file)
             return 0
         if not (ldconfig := options.get("ldconfig-path", "/sbin/ldconfig")):
             raise HookError("ldconfig-path must be specified")
