@@ -26,6 +26,16 @@ NVIDIA_CTK = toolkit.NVIDIA_CTK
 os.environ["PATH"] = toolkit.path_with_hook()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _host_dev_as_found() -> Iterator[None]:
+    """In real-tool mode the real NVML that nvidia-ctk loads mknods /dev/nvidiactl in this
+    host's /dev when it is missing (the stand-in never does): leave /dev as found."""
+    made = toolkit.REAL and not os.path.lexists("/dev/nvidiactl")
+    yield
+    if made and os.path.lexists("/dev/nvidiactl"):
+        os.unlink("/dev/nvidiactl")
+
+
 def stand_in_only(why: str) -> pytest.MarkDecorator:
     """Skip in real-tool mode: the case needs what only the stand-in can do (``why``)."""
     return pytest.mark.skipif(toolkit.REAL, reason=f"only the nvidia-ctk stand-in can {why}")

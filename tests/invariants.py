@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+import toolkit
 from conftest import Outcome
 
 DRIVER_ROOT = "run/nvidia/driver"
@@ -540,12 +541,21 @@ def _under(path: str, *bases: Path | str) -> bool:
     return any(path == str(b) or path.startswith(f"{b}/") for b in bases)
 
 
+# What the real nvidia-ctk 1.20 does in the caller's own /dev (docs/reliability.md,
+# "Real-tool mode"): in management mode it re-creates /dev/char/<major>:<minor> links for
+# the device nodes it selects, as udev makes them; the real NVML it loads opens
+# /dev/nvidiactl read-write and, as root, mknods it when it is missing. The stand-ins do
+# neither, so this is allowed only in real-tool mode.
+_REAL_TOOL_DEV = re.compile(r"/dev/(char/\d+:\d+|nvidiactl)")
+
+
 def write_violations(run: Traced, root: Path, *, forbidden: Path,
                      multiarch: str = "x86_64-linux-gnu") -> list[str]:
     """Writes outside what the tool may touch: under `root`, only the driver root's dir,
     its work dir, the lock dir, /etc/cdi, /etc/ld.so.conf.d, ldconfig's cache files and
     (deleting legacy links only) /usr/lib/<multiarch>; outside `root`, /dev/null, Python's
-    bytecode caches and /tmp -- except anything in `forbidden` (the test's own area)."""
+    bytecode caches and /tmp -- except anything in `forbidden` (the test's own area) --
+    and, in real-tool mode, what the real nvidia-ctk does in /dev (see _REAL_TOOL_DEV)."""
     allowed = [root / "run/nvidia", root / "run/unbounded-nvidia-setup", root / "run/lock",
                root / "etc/cdi", root / "etc/ld.so.conf.d", root / "var/cache/ldconfig"]
     ancestors = {str(p) for p in (root, root / "run", root / "etc", root / "var",
@@ -562,7 +572,8 @@ def write_violations(run: Traced, root: Path, *, forbidden: Path,
             if x.syscall in ("unlink", "unlinkat") and os.path.dirname(path) == legacy:
                 continue
         elif (path == "/dev/null" or "/__pycache__/" in path
-              or (_under(path, "/tmp") and not _under(path, forbidden))):
+              or (_under(path, "/tmp") and not _under(path, forbidden))
+              or (toolkit.REAL and _REAL_TOOL_DEV.fullmatch(path))):
             continue
         bad.append(f"{x.syscall} {x.kind} {path!r} = {x.result}")
     return bad

@@ -26,6 +26,7 @@ from invariants import TRACE_SET, accesses, parse_calls
 
 import realdriver
 import simgpu
+import toolkit
 
 FAKE = Path(__file__).parent / "fakes" / "nvidia-ctk"
 VER = "535.309.01"
@@ -56,7 +57,11 @@ def clean_env(**extra: str) -> dict[str, str]:
         if not k.startswith(("FAKE_NVIDIA_CTK_", "NVIDIA_CTK_")) and k != "PYTHONFAULTHANDLER"
     }
     # The fake runs via its '#!/usr/bin/env python3' line: use this interpreter's python3.
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    # No nvidia-cdi-hook on PATH (conftest puts the tests' one first): the specs name the
+    # default /usr/bin/nvidia-cdi-hook, which the hook-path test changes on purpose.
+    hooks = {str(toolkit.NVIDIA_CDI_HOOK.parent), str(toolkit.STAND_IN_NVIDIA_CDI_HOOK.parent)}
+    path = [d for d in env.get("PATH", "").split(os.pathsep) if d not in hooks]
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), *path])
     env.update(extra)
     return env
 
