@@ -1,0 +1,81 @@
+"""No package registry's address is written in the code: mirrors come from the machine's
+own apt configuration (tests/mirrors.py). Every URL in guest/, tests/, bench/ and
+packaging/ must be a documentation or specification link, an address reserved for
+examples, or this machine's loopback."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+import mirrors
+
+REPO = Path(__file__).resolve().parent.parent
+DIRS = ("guest", "tests", "bench", "packaging")
+URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s\"'<>)`\]]*", re.I)
+# Links to documentation or specifications, by what they document.
+DOCUMENTATION = {
+    "www.apache.org": "/licenses/",  # the license text debian/copyright names
+    "www.debian.org": "/doc/",  # the machine-readable copyright format
+    "json-schema.org": "/draft/",  # the JSON Schema dialect of docs/check.schema.json
+    "kubernetes.io": "/docs/",  # Documentation= of the test rootfs's kubelet unit
+    "containerd.io": "",  # Documentation= of the test rootfs's containerd unit
+}
+
+
+def allowed(url: str) -> bool:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme == "file" or host in ("127.0.0.1", "localhost", "::1"):
+        return True
+    if host.endswith(".example") or host == "example":  # RFC 2606 names
+        return True
+    prefix = DOCUMENTATION.get(host)
+    return prefix is not None and parts.path.startswith(prefix)
+
+
+def tracked_files() -> list[Path]:
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--", *DIRS],
+                         capture_output=True, check=False)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [REPO / name for name in out.stdout.decode().split("\0") if name]
+
+
+def urls_in(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace")
+        except (OSError, IsADirectoryError):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(REPO)}:{number}: {u}" for u in URL.findall(line)]
+    return found
+
+
+def test_every_url_is_documentation_an_example_or_loopback() -> None:
+    bad = [hit for hit in urls_in(tracked_files()) if not allowed(hit.split(": ", 1)[1])]
+    assert bad == []
+
+
+def test_the_rule_catches_a_mirror() -> None:
+    assert not allowed("http://ftp.example.org/debian")
+    assert not allowed("https://www.apache.org/dist/")
+    assert allowed("http://mirror-a.example/debian")
+    assert allowed("https://kubernetes.io/docs/")
+
+
+def test_no_host_of_this_machines_apt_sources_is_written_anywhere() -> None:
+    hosts = {urlsplit(source.uri).hostname for source in mirrors.read_sources()} - {None, ""}
+    if not hosts:
+        pytest.skip("this machine's apt configuration names no source")
+    hits = []
+    for path in tracked_files():
+        text = path.read_text(errors="replace")
+        hits += [f"{path.relative_to(REPO)}: {h}" for h in hosts if h and h in text]
+    assert hits == []
