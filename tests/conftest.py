@@ -17,6 +17,7 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
 import debian_ldconfig  # noqa: E402  (tests/ is on the path from here on)
+import elfbuild  # noqa: E402  (found through the path just set)
 import realdriver  # noqa: E402  (found through the path just set)
 import simgpu  # noqa: E402  (found through the path just set)
 import toolkit  # noqa: E402  (found through the path just set)
@@ -108,13 +109,13 @@ def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     plain = directory / "empty.c"
     plain.write_text("int fake_symbol;\n")
     nvml = directory / "nvml.c"
-    nvml.write_text(simgpu.nvml_source())
+    nvml.write_text(elfbuild.nvml_source())
     built: dict[str, Path] = {}
 
     def build(soname: str) -> Path:
         if soname not in built:
             out = directory / f"{soname}.bin"
-            source = nvml if soname == simgpu.NVML_SONAME else plain
+            source = nvml if soname == elfbuild.NVML_SONAME else plain
             subprocess.run(
                 ["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(source)],
                 check=True,

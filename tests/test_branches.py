@@ -32,6 +32,7 @@ from invariants import (
     unquote,
 )
 
+import elfbuild
 import simgpu
 from conftest import Cli, Outcome, needs_root
 from test_failures import fails_cleanly, mount_tmpfs, new_driver
@@ -250,7 +251,7 @@ def test_extra_library_prefixes_are_driver_files_for_discover_verify_and_check(
     extra = {"libnvrm_gpu.so": "libnvrm_gpu.so",
              f"libnvrm_mem.so.{m.version}": "libnvrm_mem.so.1"}
     for name, soname in extra.items():
-        simgpu.compile_so(staging / name, soname, size=64 << 10)
+        elfbuild.compile_so(staging / name, soname, size=64 << 10)
     os.symlink(f"libnvrm_mem.so.{m.version}", staging / "libnvrm_mem.so.1")
     lib = root_of(m) / "lib" / MA
 
@@ -344,7 +345,7 @@ def test_a_new_root_failing_verification_leaves_the_live_root(
         live: simgpu.SimMachine, cli: Cli, name: str, soname: str | None, why: str) -> None:
     """Real staged files that pass planning but whose copy breaks an invariant of the
     root (no test switch): the generation is deleted before anything goes live."""
-    simgpu.compile_so(live.staging[0] / name.format(ver=live.version), soname)
+    elfbuild.compile_so(live.staging[0] / name.format(ver=live.version), soname)
     error = fails_cleanly(cli, live, 1, "the new driver root failed verification")
     assert why.format(ver=live.version) in error
     assert "/run/nvidia/.driver." in error  # it was the new generation, not the live root

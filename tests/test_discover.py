@@ -20,6 +20,7 @@ from invariants import (
 from unbounded_nvidia_setup.discover import resolve_within
 from unbounded_nvidia_setup.elf import CorruptElf, read_elf
 
+import elfbuild
 import simgpu
 from conftest import Cli, needs_root
 from test_run import check_json, root_of
@@ -71,12 +72,12 @@ def test_resolve_within_through_a_file(tmp_path: Path, staging: Path) -> None:
 
 
 def test_read_elf_of_real_objects(tmp_path: Path) -> None:
-    simgpu.compile_so(tmp_path / "a.so", "libcuda.so.1")
-    simgpu.compile_so(tmp_path / "nosoname.so", None)
-    simgpu.compile_exe(tmp_path / "exe")
-    simgpu.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
-    simgpu.elf32_so(tmp_path / "32.so", "libcuda.so.1")
-    simgpu.truncated_elf(tmp_path / "trunc.so")
+    elfbuild.compile_so(tmp_path / "a.so", "libcuda.so.1")
+    elfbuild.compile_so(tmp_path / "nosoname.so", None)
+    elfbuild.compile_exe(tmp_path / "exe")
+    elfbuild.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
+    elfbuild.elf32_so(tmp_path / "32.so", "libcuda.so.1")
+    elfbuild.truncated_elf(tmp_path / "trunc.so")
     (tmp_path / "text").write_text("INPUT(libfoo.so.1)\n")
     (tmp_path / "empty").write_bytes(b"")
 
@@ -177,7 +178,7 @@ def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli,
             with open(lib, "rb") as f:
                 info = read_elf(f)
             if info is not None and info.machine == "x86_64":
-                simgpu.aarch64_so(lib.parent / lib.name, info.soname or lib.name)
+                elfbuild.aarch64_so(lib.parent / lib.name, info.soname or lib.name)
     (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
     m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
     out = cli(m.root, "run")

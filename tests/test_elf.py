@@ -17,8 +17,8 @@ from elftools.elf.elffile import ELFFile
 
 from unbounded_nvidia_setup.elf import CorruptElf, ElfInfo, read_elf
 
+import elfbuild
 import realdriver
-import simgpu
 
 
 def reference(data: bytes) -> tuple[int, str | None] | None:
@@ -42,11 +42,11 @@ def corpus(tmp_path: Path) -> list[Path]:
     files = []
     for soname in ("libcuda.so.1", "libnvidia-ml.so.1", None):
         out = tmp_path / f"{soname}.so"
-        simgpu.compile_so(out, soname)
+        elfbuild.compile_so(out, soname)
         files.append(out)
-    simgpu.compile_exe(tmp_path / "exe")
-    simgpu.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
-    simgpu.elf32_so(tmp_path / "32.so", "libcuda.so.1")
+    elfbuild.compile_exe(tmp_path / "exe")
+    elfbuild.aarch64_so(tmp_path / "arm.so", "libcuda.so.1")
+    elfbuild.elf32_so(tmp_path / "32.so", "libcuda.so.1")
     files += [tmp_path / "exe", tmp_path / "arm.so", tmp_path / "32.so"]
     for arch in ("amd64", "arm64"):
         try:
@@ -81,7 +81,7 @@ def test_every_truncation_is_corrupt_or_consistent(tmp_path: Path) -> None:
     """Cut a real shared object at every length: the reader either says CorruptElf or
     gives the full file's answer (when the cut leaves everything it reads) — never
     another exception and never a wrong SONAME."""
-    simgpu.compile_so(tmp_path / "a.so", "libnvidia-cut.so.1")
+    elfbuild.compile_so(tmp_path / "a.so", "libnvidia-cut.so.1")
     data = (tmp_path / "a.so").read_bytes()
     full = mine(data)
     assert full is not None and full.soname == "libnvidia-cut.so.1"

@@ -14,6 +14,7 @@ import pytest
 
 from invariants import product_argv, product_env, secure_after  # noqa: F401  (fixture)
 
+import elfbuild
 import simgpu
 from conftest import Cli, needs_root, stand_in_only
 from test_run import check_json, root_of, snapshot, spec_of
@@ -128,7 +129,7 @@ def test_unreadable_staging_dir(live: simgpu.SimMachine, cli: Cli) -> None:
 
 def test_corrupt_elf_named_like_a_driver_library(live: simgpu.SimMachine, cli: Cli,
                                                  tmp_path: Path) -> None:
-    simgpu.truncated_elf(live.staging[0] / f"libnvidia-glcore.so.{live.version}")
+    elfbuild.truncated_elf(live.staging[0] / f"libnvidia-glcore.so.{live.version}")
     fails_cleanly(cli, live, 1, "damaged ELF file")
 
 
@@ -144,7 +145,7 @@ def test_only_foreign_architecture_libraries(tmp_path: Path, cli: Cli) -> None:
     for lib in m.staging[0].glob("lib*.so.*"):
         if not lib.is_symlink():
             soname = lib.name
-            simgpu.aarch64_so(lib, soname)
+            elfbuild.aarch64_so(lib, soname)
     fails_cleanly(cli, m, 1, "incomplete driver state")
 
 
@@ -201,8 +202,8 @@ def test_libnvidia_ml_without_nvml_keeps_the_previous_root_and_spec(
     """A libnvidia-ml without NVML's entry points (a stub, like the CUDA toolkit's): the
     real nvidia-ctk 1.20 loads it from the new root, calls nvmlInit and dies with exit
     127 (FACTS.md). The run names that, and the previous root and spec stay live."""
-    simgpu.compile_so(live.staging[0] / f"libnvidia-ml.so.{live.version}",
-                      simgpu.NVML_SONAME, nvml=False)
+    elfbuild.compile_so(live.staging[0] / f"libnvidia-ml.so.{live.version}",
+                      elfbuild.NVML_SONAME, nvml=False)
     error = fails_cleanly(cli, live, 1, "nvidia-ctk cdi generate failed (exit status 127")
     assert "symbol lookup error" in error and "undefined symbol: nvmlInit" in error
 
@@ -235,7 +236,7 @@ def mount_tmpfs(path: Path, options: str) -> None:
 
 def test_full_driver_root_filesystem(m: simgpu.SimMachine, cli: Cli,
                                      mounts: list[Path]) -> None:
-    simgpu.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{m.version}",
+    elfbuild.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{m.version}",
                       "libnvidia-gpucomp.so", size=3 << 20)
     mount_tmpfs(m.root / "run/nvidia", "size=1m")
     mounts.append(m.root / "run/nvidia")

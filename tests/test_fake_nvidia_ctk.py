@@ -24,8 +24,8 @@ import yaml
 
 from invariants import TRACE_SET, accesses, parse_calls
 
+import elfbuild
 import realdriver
-import simgpu
 import toolkit
 
 FAKE = Path(__file__).parent / "fakes" / "nvidia-ctk"
@@ -693,10 +693,10 @@ def test_simulated_nvml_answers_like_a_machine_without_a_driver(tmp_path: Path) 
     import ctypes
 
     path = tmp_path / "libnvidia-ml.so.1"
-    simgpu.compile_so(path, simgpu.NVML_SONAME)
+    elfbuild.compile_so(path, elfbuild.NVML_SONAME)
     lib = ctypes.CDLL(str(path))
     lib.nvmlErrorString.restype = ctypes.c_char_p
-    for name in simgpu.NVML_ENTRY_POINTS:
+    for name in elfbuild.NVML_ENTRY_POINTS:
         assert hasattr(lib, name), name
     assert lib.nvmlInit() == lib.nvmlInit_v2() == lib.nvmlInitWithFlags(0) == 9
     assert lib.nvmlErrorString(9) == b"Driver Not Loaded"
@@ -705,7 +705,7 @@ def test_simulated_nvml_answers_like_a_machine_without_a_driver(tmp_path: Path) 
     assert lib.nvmlSystemGetDriverVersion(ctypes.create_string_buffer(80), 80) == 1
     assert lib.nvmlShutdown() == 0
     stub = tmp_path / "stub" / "libnvidia-ml.so.1"
-    simgpu.compile_so(stub, simgpu.NVML_SONAME, nvml=False)
+    elfbuild.compile_so(stub, elfbuild.NVML_SONAME, nvml=False)
     assert not hasattr(ctypes.CDLL(str(stub)), "nvmlInit")
 
 
@@ -716,7 +716,7 @@ def test_unloadable_libnvidia_ml_is_library_not_found(
     """A libnvidia-ml.so.1 dlopen refuses (another architecture) is no library at all."""
     root = tree("driver")
     standard_libs(root)
-    simgpu.aarch64_so(root.path / LIBDIR / f"libnvidia-ml.so.{VER}", simgpu.NVML_SONAME)
+    elfbuild.aarch64_so(root.path / LIBDIR / f"libnvidia-ml.so.{VER}", elfbuild.NVML_SONAME)
     out = tmp_path / "nvidia.yaml"
     result = generate(root.path, out, dev=dev_root.path, mode=None)
     assert_failed(result, "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND")

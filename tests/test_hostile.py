@@ -41,6 +41,7 @@ from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
 from unbounded_nvidia_setup.plan import own_soname
 
+import elfbuild
 import realdriver
 import simgpu
 from conftest import Outcome, needs_root
@@ -309,7 +310,7 @@ def test_block_device_named_like_a_driver_library(m: simgpu.SimMachine,
 def test_directory_named_like_a_driver_library(m: simgpu.SimMachine, tmp_path: Path) -> None:
     directory = m.lib_dir / name(m, "dir")
     directory.mkdir()
-    simgpu.compile_so(directory / name(m, "indir"), "libnvidia-indir.so.1")
+    elfbuild.compile_so(directory / name(m, "indir"), "libnvidia-indir.so.1")
     (m.lib_dir / "vdpau" / f"libvdpau_nvidia.so.{m.version}.d").mkdir()
     tr = run_traced(m)
     confined(tr, m, tmp_path, never_opened=(directory / name(m, "indir"),))
@@ -321,7 +322,7 @@ def test_directory_named_like_a_helper(m: simgpu.SimMachine, tmp_path: Path) -> 
     helper = m.bin_dir / "nvidia-debugdump"
     helper.unlink()
     helper.mkdir()
-    simgpu.compile_exe(helper / "nvidia-debugdump")
+    elfbuild.compile_exe(helper / "nvidia-debugdump")
     tr = run_traced(m)
     confined(tr, m, tmp_path, never_opened=(helper / "nvidia-debugdump",))
     succeeded(tr, m, tmp_path, helpers=[h for h in m.helpers if h != "nvidia-debugdump"])
@@ -332,7 +333,7 @@ def test_directory_named_like_a_helper(m: simgpu.SimMachine, tmp_path: Path) -> 
 
 
 def test_truncated_elf_with_a_driver_name(live: simgpu.SimMachine, tmp_path: Path) -> None:
-    simgpu.truncated_elf(live.lib_dir / name(live, "truncated"))
+    elfbuild.truncated_elf(live.lib_dir / name(live, "truncated"))
     before = snapshot(live)
     tr = run_traced(live)
     confined(tr, live, tmp_path)
@@ -364,14 +365,14 @@ def test_non_elf_files_with_driver_names(m: simgpu.SimMachine, tmp_path: Path) -
 
 
 def test_32bit_elf_with_a_driver_name(m: simgpu.SimMachine, tmp_path: Path) -> None:
-    simgpu.elf32_so(m.lib_dir / name(m, "elf32"), "libnvidia-elf32.so.1")
+    elfbuild.elf32_so(m.lib_dir / name(m, "elf32"), "libnvidia-elf32.so.1")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
 
 
 def test_32bit_elf_in_place_of_libcuda(live: simgpu.SimMachine, tmp_path: Path) -> None:
-    simgpu.elf32_so(live.lib_dir / f"libcuda.so.{live.version}", "libcuda.so.1")
+    elfbuild.elf32_so(live.lib_dir / f"libcuda.so.{live.version}", "libcuda.so.1")
     before = snapshot(live)
     tr = run_traced(live)
     confined(tr, live, tmp_path)
@@ -380,7 +381,7 @@ def test_32bit_elf_in_place_of_libcuda(live: simgpu.SimMachine, tmp_path: Path) 
 
 def test_foreign_architecture_elf_with_a_driver_name(m: simgpu.SimMachine,
                                                      tmp_path: Path) -> None:
-    simgpu.aarch64_so(m.lib_dir / name(m, "arm"), "libnvidia-arm.so.1")
+    elfbuild.aarch64_so(m.lib_dir / name(m, "arm"), "libnvidia-arm.so.1")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
@@ -393,7 +394,7 @@ def test_foreign_architecture_elf_with_a_driver_name(m: simgpu.SimMachine,
 def test_soname_with_a_path_traversal(m: simgpu.SimMachine, tmp_path: Path) -> None:
     """DT_SONAME `../../../../../etc/evil`: the SONAME link would be made outside the
     root (a symlink in <root>/etc). The library is left out with a warning."""
-    simgpu.compile_so(m.lib_dir / name(m, "evil"), "../../../../../etc/evil")
+    elfbuild.compile_so(m.lib_dir / name(m, "evil"), "../../../../../etc/evil")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
@@ -404,8 +405,8 @@ def test_soname_with_a_path_traversal(m: simgpu.SimMachine, tmp_path: Path) -> N
 def test_soname_naming_another_library(m: simgpu.SimMachine, tmp_path: Path) -> None:
     """A library claiming to be libcuda.so.1 (or libc.so.6) shadows nothing and adds no
     foreign link to the root."""
-    simgpu.compile_so(m.lib_dir / name(m, "fakecuda"), "libcuda.so.1")
-    simgpu.compile_so(m.lib_dir / name(m, "fakelibc"), "libc.so.6")
+    elfbuild.compile_so(m.lib_dir / name(m, "fakecuda"), "libcuda.so.1")
+    elfbuild.compile_so(m.lib_dir / name(m, "fakelibc"), "libc.so.6")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
@@ -414,7 +415,7 @@ def test_soname_naming_another_library(m: simgpu.SimMachine, tmp_path: Path) -> 
 
 
 def test_soname_with_a_newline(m: simgpu.SimMachine, tmp_path: Path) -> None:
-    simgpu.compile_so(m.lib_dir / name(m, "nl"), "libnvidia-nl.so.1\nlibc.so.6")
+    elfbuild.compile_so(m.lib_dir / name(m, "nl"), "libnvidia-nl.so.1\nlibc.so.6")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
@@ -470,8 +471,8 @@ def test_names_with_spaces_and_newlines(m: simgpu.SimMachine, tmp_path: Path) ->
     """Valid libraries, but such names would go into every GPU pod's mount list: they
     are skipped with one warning line each, the newline shown as \\n."""
     for stem in ("with space", "new\nline", "tab\there"):
-        simgpu.compile_so(m.lib_dir / name(m, stem), f"libnvidia-{stem}.so.1")
-    simgpu.compile_so(m.lib_dir / f"libcuda.so.{m.version}\nx", "libcuda.so.1")
+        elfbuild.compile_so(m.lib_dir / name(m, stem), f"libnvidia-{stem}.so.1")
+    elfbuild.compile_so(m.lib_dir / f"libcuda.so.{m.version}\nx", "libcuda.so.1")
     tr = run_traced(m)
     confined(tr, m, tmp_path)
     succeeded(tr, m, tmp_path)
@@ -487,7 +488,7 @@ def test_very_long_names(m: simgpu.SimMachine, tmp_path: Path) -> None:
     long_name = f"libnvidia-{'x' * pad}.so.{m.version}"
     assert len(long_name) == 255
     soname = f"libnvidia-{'x' * pad}.so.1"
-    simgpu.compile_so(m.lib_dir / long_name, soname)
+    elfbuild.compile_so(m.lib_dir / long_name, soname)
     junk = f"libnvidia-{'y' * pad}.so.{m.version}"
     (m.lib_dir / junk).write_text("not ELF")
     tr = run_traced(m)
@@ -511,7 +512,7 @@ def add_driver_set(m: simgpu.SimMachine, version: str) -> None:
         fname = entry.name.format(ver=version)
         sub = f"{entry.subdir}/" if entry.subdir else ""
         if "{ver}" in entry.name:
-            simgpu.compile_so(m.lib_dir / sub / fname, simgpu._fmt(entry.soname, version))
+            elfbuild.compile_so(m.lib_dir / sub / fname, simgpu._fmt(entry.soname, version))
 
 
 def test_two_driver_versions_with_a_module_version(m: simgpu.SimMachine,
@@ -599,7 +600,7 @@ def test_staging_dir_swapped_for_a_symlink_during_the_copy(m: simgpu.SimMachine,
                                                            tmp_path: Path) -> None:
     """Files opened after the swap come from elsewhere: the identity check (device,
     inode, size, mtime recorded at inspection) catches it."""
-    simgpu.compile_so(m.lib_dir / f"libcuda.so.{m.version}", "libcuda.so.1", size=8 << 20)
+    elfbuild.compile_so(m.lib_dir / f"libcuda.so.{m.version}", "libcuda.so.1", size=8 << 20)
     copy = tmp_path / "copy-of-0"
     shutil.copytree(m.lib_dir, copy, symlinks=True)
 
@@ -625,7 +626,7 @@ def test_library_changing_while_being_copied(m: simgpu.SimMachine, tmp_path: Pat
     kernel: growing or shrinking fails the run ("changed"); a new file renamed over it
     leaves the copy reading the inode it opened: a correct root of what was inspected."""
     cuda = m.lib_dir / f"libcuda.so.{m.version}"
-    simgpu.compile_so(cuda, "libcuda.so.1", size=8 << 20)
+    elfbuild.compile_so(cuda, "libcuda.so.1", size=8 << 20)
     original = cuda.read_bytes()
 
     def act() -> None:
@@ -635,7 +636,7 @@ def test_library_changing_while_being_copied(m: simgpu.SimMachine, tmp_path: Pat
         elif change == "shrink":
             os.truncate(cuda, len(original) // 2)
         else:
-            simgpu.compile_so(m.lib_dir / ".new", "libcuda.so.1", size=9 << 20)
+            elfbuild.compile_so(m.lib_dir / ".new", "libcuda.so.1", size=9 << 20)
             os.rename(m.lib_dir / ".new", cuda)
 
     tr = run_traced(m, inject=DELAY_FIRST_COPY, during=start_when_copying(m, cuda.name, act))
@@ -658,7 +659,7 @@ def test_background_writer_appending_to_a_large_library(m: simgpu.SimMachine,
     """A writer appends to a 64 MB libcuda the whole time: the run fails cleanly or (if
     it ever saw a quiet moment) built a root whose copy is a true snapshot."""
     cuda = m.lib_dir / f"libcuda.so.{m.version}"
-    simgpu.compile_so(cuda, "libcuda.so.1", size=64 << 20)
+    elfbuild.compile_so(cuda, "libcuda.so.1", size=64 << 20)
     stop = threading.Event()
 
     def writer() -> None:

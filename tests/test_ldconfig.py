@@ -20,6 +20,7 @@ from invariants import secure_after  # noqa: F401  (fixture)
 from unbounded_nvidia_setup.elf import read_elf
 from unbounded_nvidia_setup.tree import manifest
 
+import elfbuild
 import simgpu
 from conftest import Cli, needs_root
 from test_failures import mount_tmpfs, new_driver
@@ -42,7 +43,7 @@ def equal_size_machine(root: Path) -> simgpu.SimMachine:
     size = max(p.stat().st_size for p in libs) + 4096
     for lib in libs:
         data = lib.read_bytes()
-        simgpu.write_file(lib, data, size=size)
+        elfbuild.write_file(lib, data, size=size)
     assert len({p.stat().st_size for p in libs}) == 1 and len(libs) > 10
     (m.root / "var/cache/ldconfig").mkdir(parents=True, exist_ok=True)
     m.write_config()

@@ -43,6 +43,7 @@ from test_crash import (
 )
 from unbounded_nvidia_setup.tree import manifest
 
+import elfbuild
 import simgpu
 from conftest import needs_root, stand_in_only
 from test_failures import new_driver
@@ -96,7 +97,7 @@ def assert_no_temp_files(m: simgpu.SimMachine) -> None:
 def bigger_new_driver(m: simgpu.SimMachine, tmp_path: Path, size: int) -> None:
     """Stage a newer driver whose files take `size` more bytes than the live one's."""
     new_driver(m, tmp_path, NEW)
-    simgpu.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{NEW}",
+    elfbuild.compile_so(m.staging[0] / f"libnvidia-gpucomp.so.{NEW}",
                       f"libnvidia-gpucomp.so.{NEW}", size=size)
 
 
