@@ -41,6 +41,7 @@ from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
 from unbounded_nvidia_setup.plan import own_soname
 
+import drivertables
 import elfbuild
 import realdriver
 import simgpu
@@ -508,7 +509,7 @@ NEWER = "560.35.03"
 
 def add_driver_set(m: simgpu.SimMachine, version: str) -> None:
     """Every driver library of another version, as regular files without links."""
-    for entry in simgpu.DRIVER_LIBS:
+    for entry in drivertables.DRIVER_LIBS:
         fname = entry.name.format(ver=version)
         sub = f"{entry.subdir}/" if entry.subdir else ""
         if "{ver}" in entry.name:
