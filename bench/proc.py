@@ -1,5 +1,4 @@
-"""Child processes bounded in time (killed with their group), the benchmark's tmpfs in a
-private mount namespace, and the paths and limits every part of the benchmark shares."""
+"""Child processes bounded in time, the tmpfs in its own mount namespace, shared paths."""
 
 from __future__ import annotations
 
