@@ -78,27 +78,16 @@ import posixpath
 import re
 import signal
 import stat
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
-Version = tuple[int, int, int]
-
-DEFAULT_VERSION = "1.20.0"
-# Release commits of the tags (git rev-list -n1 <tag>); other versions get a derived hash.
-KNOWN_COMMITS = {
-    "1.17.8": "f202b80a9b9d0db00d9b1d73c0128c8962c55f4d",
-    "1.18.0": "f8daa5e26de9fd7eb79259040b6dd5a52060048c",
-    "1.19.0": "ec7b4e2fa2caecad6d89be4a26029b831fe7503a",
-    "1.20.0": "5505e2f94d9aaa08561490db974ba3cd676af209",
-}
-
-V1_18: Version = (1, 18, 0)
-V1_19: Version = (1, 19, 0)
-V1_20: Version = (1, 20, 0)
+from .elf import ElfError, read_dt_soname
+from .filepath import go_clean, go_ext, go_join, trim_prefix, unique
+from .logger import CtkError, Logger, UsageError
+from .version import DEFAULT_VERSION, KNOWN_COMMITS, V1_18, V1_19, V1_20, Version
 
 # pkg/lookup/library.go: default search paths below the root (ld.so.cache fallback omitted).
 LIBRARY_SEARCH_DIRS = (
@@ -170,159 +159,9 @@ GARBAGE_SPEC = '---\ncdiVersion: "0.5.0\nkind: nvidia.com/gpu\ndevices: [\n  {na
 STAGING_PREFIX = "/run/host-nvidia/0"
 
 
-class CtkError(Exception):
-    """A failure the real tool reports as ``level=error msg=...`` with exit status 1."""
-
-
-class UsageError(CtkError):
-    """A command-line error (urfave/cli prints 'Incorrect Usage: ...' first)."""
-
-
 class KnobError(Exception):
     """Misuse of this stand-in's own FAKE_NVIDIA_CTK_* knobs (exit 2)."""
 
-
-# --------------------------------------------------------------------------- logging
-
-
-class Logger:
-    """Writes logrus TextFormatter-like lines to stderr."""
-
-    LEVELS: ClassVar[dict[str, int]] = {"debug": 0, "info": 1, "warning": 2, "error": 3}
-
-    def __init__(self, level: str = "info") -> None:
-        self.threshold = self.LEVELS[level]
-
-    def _emit(self, level: str, msg: str) -> None:
-        if self.LEVELS[level] < self.threshold:
-            return
-        # logrus's RFC 3339 stamp (time, not datetime: ~3 ms less start-up per call)
-        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        offset = now[-5:]
-        stamp = now[:-5] + ("Z" if offset == "+0000" else f"{offset[:3]}:{offset[3:]}")
-        quoted = json.dumps(msg, ensure_ascii=False)
-        sys.stderr.write(f'time="{stamp}" level={level} msg={quoted}\n')
-
-    def debug(self, msg: str) -> None:
-        self._emit("debug", msg)
-
-    def info(self, msg: str) -> None:
-        self._emit("info", msg)
-
-    def warning(self, msg: str) -> None:
-        self._emit("warning", msg)
-
-    def error(self, msg: str) -> None:
-        self._emit("error", msg)
-
-
-# --------------------------------------------------------------------------- Go-like paths
-
-
-def go_clean(path: str) -> str:
-    """filepath.Clean (posixpath.normpath keeps a leading '//', Go does not)."""
-    if not path:
-        return "."
-    cleaned = posixpath.normpath(path)
-    if cleaned.startswith("//"):
-        cleaned = "/" + cleaned.lstrip("/")
-    return cleaned
-
-
-def go_join(*parts: str) -> str:
-    """filepath.Join: joins the non-empty parts with '/' and cleans the result."""
-    nonempty = [p for p in parts if p]
-    if not nonempty:
-        return ""
-    return go_clean("/".join(nonempty))
-
-
-def go_ext(path: str) -> str:
-    """filepath.Ext: the suffix from the final dot of the last element ('' if none)."""
-    base = path.rsplit("/", 1)[-1]
-    index = base.rfind(".")
-    return base[index:] if index >= 0 else ""
-
-
-def trim_prefix(value: str, prefix: str) -> str:
-    """strings.TrimPrefix."""
-    return value[len(prefix) :] if prefix and value.startswith(prefix) else value
-
-
-def unique(items: Iterable[str]) -> list[str]:
-    seen: set[str] = set()
-    out: list[str] = []
-    for item in items:
-        if item not in seen:
-            seen.add(item)
-            out.append(item)
-    return out
-
-
-# --------------------------------------------------------------------------- ELF
-
-
-class ElfError(Exception):
-    pass
-
-
-SHT_DYNAMIC = 6
-DT_SONAME = 14
-
-
-def read_dt_soname(path: str) -> str:
-    """The library's DT_SONAME; its base name when it has none (discover.getSoname)."""
-    with open(path, "rb") as f:
-        ident = f.read(16)
-        if len(ident) < 16 or ident[:4] != b"\x7fELF":
-            raise ElfError(f"bad magic number {list(ident[:4])} in record at byte 0x0")
-        elf_class, encoding = ident[4], ident[5]
-        if elf_class not in (1, 2) or encoding not in (1, 2):
-            raise ElfError(f"unknown ELF class {elf_class} or data encoding {encoding}")
-        end = "<" if encoding == 1 else ">"
-        is64 = elf_class == 2
-        header_fmt = end + ("HHIQQQIHHHHHH" if is64 else "HHIIIIIHHHHHH")
-        section_fmt = end + ("IIQQQQIIQQ" if is64 else "IIIIIIIIII")
-        dyn_fmt = end + ("qQ" if is64 else "iI")
-        header = struct.unpack(header_fmt, _read_exact(f, struct.calcsize(header_fmt)))
-        shoff, shentsize, shnum = header[5], header[10], header[11]
-        sections = []
-        for index in range(shnum):
-            f.seek(shoff + index * shentsize)
-            sections.append(
-                struct.unpack(section_fmt, _read_exact(f, struct.calcsize(section_fmt)))
-            )
-        dynamic = next((s for s in sections if s[1] == SHT_DYNAMIC), None)
-        if dynamic is None:
-            return os.path.basename(path)
-        link = dynamic[6]
-        if link >= len(sections):
-            raise ElfError("invalid dynamic section link")
-        strtab = sections[link]
-        f.seek(strtab[4])
-        strings = _read_exact(f, strtab[5])
-        f.seek(dynamic[4])
-        raw = _read_exact(f, dynamic[5])
-        entry_size = struct.calcsize(dyn_fmt)
-        sonames: list[str] = []
-        for offset in range(0, len(raw) - entry_size + 1, entry_size):
-            tag, value = struct.unpack_from(dyn_fmt, raw, offset)
-            if tag == DT_SONAME:
-                name_end = strings.find(b"\0", value)
-                sonames.append(strings[value : name_end if name_end >= 0 else None].decode())
-    if len(sonames) > 1:
-        raise ElfError(f"multiple SONAMEs detected for {path}: {sonames}")
-    return sonames[0] if sonames else os.path.basename(path)
-
-
-def _read_exact(f: Any, size: int) -> bytes:
-    data: bytes = f.read(size)
-    if len(data) != size:
-        raise ElfError("unexpected EOF")
-    return data
-
-
-# --------------------------------------------------------------------------- locators
 
 Filter = Callable[[str], "str | None"]
 
@@ -443,9 +282,6 @@ def locate_mounts(log: Logger, locator: Locator, root: str, patterns: Iterable[s
     return mounts
 
 
-# --------------------------------------------------------------------------- edits
-
-
 @dataclass
 class Edits:
     env: list[str] = field(default_factory=list)
@@ -526,9 +362,6 @@ def device_edits(
                 edits.additional_gids.append(st.st_gid)
         edits.device_nodes.append(spec)
     return edits
-
-
-# --------------------------------------------------------------------------- hooks
 
 
 class HookCreator:
@@ -675,9 +508,6 @@ def is_lib_name(path: str) -> bool:
         return False
     parts = base.split(".so")
     return len(parts) == 1 or parts[-1] == "" or parts[-1].startswith(".")
-
-
-# --------------------------------------------------------------------------- NVML + driver
 
 
 # go-nvml's names for the NVML return codes the stand-in can meet.
@@ -957,9 +787,6 @@ def driver_edits(log: Logger, driver: Driver, hooks: HookCreator, ctk: Version) 
     return edits
 
 
-# --------------------------------------------------------------------------- command line
-
-
 @dataclass(frozen=True)
 class FlagSpec:
     name: str
@@ -1231,9 +1058,6 @@ def validate_generate(
     )
 
 
-# --------------------------------------------------------------------------- generation
-
-
 def device_names(strategies: Sequence[str], index: int, uuid: str) -> list[str]:
     names = {"index": str(index), "uuid": uuid, "type-index": f"gpu{index}"}
     return [names[s] for s in strategies]
@@ -1457,9 +1281,6 @@ def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:
     save(corrupt(spec, how) if how else spec, opts, log)
     log.info(f"Generated CDI spec with version {spec['cdiVersion']}")
     return 0
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 def parse_version(text: str) -> Version:
