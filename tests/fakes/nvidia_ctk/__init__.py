@@ -70,48 +70,25 @@ Test knobs (environment):
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import glob
 import json
 import os
 import posixpath
 import re
 import signal
-import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from .elf import ElfError, read_dt_soname
+from .discover import device_edits, is_lib_name, locate_mounts, symlink_links
+from .edits import MOUNT_OPTIONS, Edits
 from .filepath import go_clean, go_ext, go_join, trim_prefix, unique
+from .hooks import HOOK_APPLICATION_PROFILE, HOOKS_ALWAYS, HookCreator, resolve_hook_path
 from .logger import CtkError, Logger, UsageError
+from .lookup import EXECUTABLE_SEARCH_DIRS, LIBRARY_SEARCH_DIRS, Driver, Locator, assert_executable
 from .version import DEFAULT_VERSION, KNOWN_COMMITS, V1_18, V1_19, V1_20, Version
 
-# pkg/lookup/library.go: default search paths below the root (ld.so.cache fallback omitted).
-LIBRARY_SEARCH_DIRS = (
-    "/",
-    "/usr/lib64",
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib/aarch64-linux-gnu",
-    "/usr/lib/x86_64-linux-gnu/nvidia/current",
-    "/usr/lib/aarch64-linux-gnu/nvidia/current",
-    "/lib64",
-    "/lib/x86_64-linux-gnu",
-    "/lib/aarch64-linux-gnu",
-    "/lib/x86_64-linux-gnu/nvidia/current",
-    "/lib/aarch64-linux-gnu/nvidia/current",
-)
-# pkg/lookup/path.go defaultPATH; only searched below the root here (see module docstring).
-EXECUTABLE_SEARCH_DIRS = (
-    "/usr/local/sbin",
-    "/usr/local/bin",
-    "/usr/sbin",
-    "/usr/bin",
-    "/sbin",
-    "/bin",
-)
 DRIVER_BINARIES = (
     "nvidia-smi",
     "nvidia-debugdump",
@@ -137,22 +114,10 @@ CONTROL_DEVICE_PATTERNS = (
     "/dev/nvidia-uvm",
     "/dev/nvidiactl",
 )
-MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
-DEFAULT_HOOK_PATH = "/usr/bin/nvidia-cdi-hook"
-DEFAULT_CTK_PATH = "/usr/bin/nvidia-ctk"
 
 MODES_ALWAYS = ("auto", "csv", "gds", "management", "mofed", "nvml", "wsl")
 MODES_SINCE_1_18 = ("gdrcopy", "imex", "nvswitch")
 SIMULATED_MODES = ("nvml", "management")
-
-HOOKS_ALWAYS = (
-    "create-symlinks",
-    "update-ldcache",
-    "enable-cuda-compat",
-    "disable-device-node-modification",
-    "chmod",
-)
-HOOK_APPLICATION_PROFILE = "update-application-profile"
 
 CORRUPTIONS = ("garbage", "nokind", "wrongkind", "nodevices", "staging")
 GARBAGE_SPEC = '---\ncdiVersion: "0.5.0\nkind: nvidia.com/gpu\ndevices: [\n  {name: all,\n'
@@ -161,353 +126,6 @@ STAGING_PREFIX = "/run/host-nvidia/0"
 
 class KnobError(Exception):
     """Misuse of this stand-in's own FAKE_NVIDIA_CTK_* knobs (exit 2)."""
-
-
-Filter = Callable[[str], "str | None"]
-
-
-def assert_file(path: str) -> str | None:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"error getting info for {path}: {exc.strerror}"
-    if stat.S_ISDIR(st.st_mode):
-        return f"specified path '{path}' is a directory"
-    return None
-
-
-def assert_executable(path: str) -> str | None:
-    reason = assert_file(path)
-    if reason is not None:
-        return reason
-    if os.stat(path).st_mode & 0o111 == 0:
-        return f"specified file '{path}' is not executable"
-    return None
-
-
-def assert_char_device(path: str) -> str | None:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"error getting info for {path}: {exc.strerror}"
-    if not stat.S_ISCHR(st.st_mode):
-        return f"{path} is not a character device"
-    return None
-
-
-@dataclass
-class Locator:
-    """pkg/lookup file locator, optionally with evaluated symlinks (the 'symlink locator')."""
-
-    log: Logger
-    root: str
-    search_paths: Sequence[str] = ()
-    filter: Filter = assert_file
-    count: int = 0
-    resolve: bool = False
-    required: bool = True
-
-    def prefixes(self) -> list[str]:
-        paths = unique(self.search_paths)
-        if not paths:
-            return [self.root]
-        return [go_join(self.root, p) for p in paths]
-
-    def locate(self, pattern: str) -> list[str]:
-        found: list[str] = []
-        prefixes = self.prefixes()
-        self.log.debug(f'Locating "{pattern}" in {prefixes}')
-        for prefix in prefixes:
-            full = go_join(glob.escape(prefix), pattern)
-            for candidate in sorted(glob.glob(full, include_hidden=True)):
-                reason = self.filter(candidate)
-                if reason is not None:
-                    self.log.debug(f"Candidate '{candidate}' does not meet requirements: {reason}")
-                    continue
-                found.append(candidate)
-                if self.count and len(found) == self.count:
-                    break
-            if self.count and len(found) == self.count:
-                break
-        if not found:
-            if self.required:
-                raise CtkError(f"pattern {pattern} not found")
-            return []
-        if not self.resolve:
-            return found
-        resolved: list[str] = []
-        for candidate in found:
-            try:
-                resolved.append(os.path.realpath(candidate, strict=True))
-            except OSError as exc:
-                raise CtkError(f"failed to resolve link: {exc}") from exc
-        return unique(resolved)
-
-
-@dataclass
-class Mount:
-    host_path: str
-    path: str
-
-    def to_spec(self) -> dict[str, Any]:
-        return {
-            "hostPath": self.host_path,
-            "containerPath": self.path,
-            "options": list(MOUNT_OPTIONS),
-        }
-
-
-def locate_mounts(log: Logger, locator: Locator, root: str, patterns: Iterable[str]) -> list[Mount]:
-    """internal/discover/mounts.go: located paths, container path = prefix-stripped path."""
-    base = go_join("/", root)
-    mounts: list[Mount] = []
-    seen: set[str] = set()
-    for pattern in patterns:
-        try:
-            located = locator.locate(pattern)
-        except CtkError as exc:
-            log.warning(f"Could not locate {pattern}: {exc}")
-            continue
-        if not located:
-            log.warning(f"Missing {pattern}")
-            continue
-        for path in located:
-            if path in seen:
-                continue
-            seen.add(path)
-            relative = path if base == "/" else trim_prefix(path, base)
-            relative = relative or path
-            log.info(f"Selecting {path} as {relative}")
-            mounts.append(Mount(path, relative))
-    return mounts
-
-
-@dataclass
-class Edits:
-    env: list[str] = field(default_factory=list)
-    device_nodes: list[dict[str, Any]] = field(default_factory=list)
-    hooks: list[dict[str, Any]] = field(default_factory=list)
-    mounts: list[dict[str, Any]] = field(default_factory=list)
-    additional_gids: list[int] = field(default_factory=list)
-
-    def extend(self, other: Edits) -> None:
-        self.env += other.env
-        self.device_nodes += other.device_nodes
-        self.hooks += other.hooks
-        self.mounts += other.mounts
-        self.additional_gids += other.additional_gids
-
-    def without(self, common: Edits) -> Edits:
-        """Drop entries already in common edits, and duplicates (the spec simplifier)."""
-        return Edits(
-            _dedupe(self.env, common.env),
-            _dedupe(self.device_nodes, common.device_nodes),
-            _dedupe(self.hooks, common.hooks),
-            _dedupe(self.mounts, common.mounts),
-            _dedupe(self.additional_gids, common.additional_gids),
-        )
-
-    def to_spec(self) -> dict[str, Any]:
-        """specs-go ContainerEdits, every field omitempty."""
-        out: dict[str, Any] = {}
-        for key, value in (
-            ("env", self.env),
-            ("deviceNodes", self.device_nodes),
-            ("hooks", self.hooks),
-            ("mounts", self.mounts),
-            ("additionalGids", self.additional_gids),
-        ):
-            if value:
-                out[key] = value
-        return out
-
-
-def _dedupe(items: list[Any], exclude: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for item in items:
-        if item not in exclude and item not in out:
-            out.append(item)
-    return out
-
-
-def device_edits(
-    log: Logger,
-    dev_root: str,
-    patterns: Iterable[str],
-    ctk: Version,
-    blocked: Sequence[str] = (),
-) -> Edits:
-    """internal/discover/char_devices.go + internal/edits/device.go."""
-    locator = Locator(log, dev_root, ("/", "/dev"), assert_char_device)
-    edits = Edits()
-    for node in locate_mounts(log, locator, dev_root, patterns):
-        if blocked and os.path.basename(node.host_path).startswith(tuple(blocked)):
-            continue
-        spec: dict[str, Any] = {"path": node.path}
-        if node.host_path != node.path:
-            spec["hostPath"] = node.host_path
-        if ctk >= V1_19:
-            st = os.stat(node.host_path)
-            mode = st.st_mode & 0o7777
-            for key, value in (
-                ("major", os.major(st.st_rdev)),
-                ("minor", os.minor(st.st_rdev)),
-                ("fileMode", mode),
-                ("permissions", "rwm"),
-                ("gid", st.st_gid),
-            ):
-                if value:
-                    spec[key] = value
-            if st.st_gid and mode and not (mode & 0o4 and mode & 0o2):
-                edits.additional_gids.append(st.st_gid)
-        edits.device_nodes.append(spec)
-    return edits
-
-
-class HookCreator:
-    """internal/discover/hooks.go cdiHookCreator."""
-
-    def __init__(
-        self, hook_path: str, ldconfig_path: str, disabled: Sequence[str], enabled: Sequence[str]
-    ) -> None:
-        self.hook_path = hook_path
-        self.ldconfig_path = ldconfig_path
-        states = {name: True for name in [*disabled, "chmod"]}
-        self.all_disabled = bool(states.get("all")) and not enabled
-        for name in enabled:
-            states[name] = False
-        self.states = states
-
-    def _is_disabled(self, name: str, args: Sequence[str]) -> bool:
-        if self.all_disabled:
-            return True
-        if name in self.states:
-            return self.states[name]
-        if self.states.get("all"):
-            return True
-        return name in ("create-symlinks", "chmod") and not args
-
-    def create(self, name: str, args: Sequence[str] = ()) -> dict[str, Any] | None:
-        if self._is_disabled(name, args):
-            return None
-        base = os.path.basename(self.hook_path)
-        fixed = [base, "hook"] if base == "nvidia-ctk" else [base]
-        extra: list[str] = []
-        if name == "create-symlinks":
-            for arg in args:
-                extra += ["--link", arg]
-        elif name == "chmod":
-            extra = ["--mode", "755"]
-            for arg in args:
-                extra += ["--path", arg]
-        elif name == "update-ldcache":
-            if self.ldconfig_path:
-                extra += ["--ldconfig-path", self.ldconfig_path]
-            for arg in args:
-                extra += ["--folder", arg]
-        else:
-            extra = list(args)
-        return {
-            "hookName": "createContainer",
-            "path": self.hook_path,
-            "args": [*fixed, name, *extra],
-            "env": ["NVIDIA_CTK_DEBUG=false"],
-        }
-
-
-def resolve_hook_path(log: Logger, path: str) -> str:
-    """config.ResolveNVIDIACDIHookPath: an absolute path is used as given; otherwise the
-    executable locator looks for the name (nvidia-cdi-hook when none is given) in $PATH, then
-    in the default PATH dirs that $PATH lacks, and the first executable non-directory found
-    is used, as found (not resolved). A name with a '/' is only checked. Nothing found: a
-    warning and /usr/bin/nvidia-cdi-hook (/usr/bin/nvidia-ctk for a path named nvidia-ctk)."""
-    ctk = posixpath.basename(path) == "nvidia-ctk"
-    label = "NVIDIA Container Toolkit CLI" if ctk else "NVIDIA CDI Hook CLI"
-    default = DEFAULT_CTK_PATH if ctk else DEFAULT_HOOK_PATH
-    if path.startswith("/"):
-        log.debug(f"Using specified {label} path {path}")
-        return path
-    name = path or posixpath.basename(default)
-    log.debug(f"Locating {label} as {name}")
-    if "/" in name:
-        reason = assert_executable(name)
-        found = [] if reason else [name]
-        error = f"absolute path {name} is not an executable file: {reason}"
-    else:
-        dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-        dirs += [d for d in EXECUTABLE_SEARCH_DIRS if d not in dirs]
-        found = Locator(log, "", dirs, assert_executable, count=1, required=False).locate(name)
-        error = f"{name}: not found"
-    if not found:
-        log.warning(f"Failed to locate {name}: {error}")
-        return default
-    log.debug(f"Found {name} candidates: {found}")
-    return found[0]
-
-
-def is_driver_library(library: str, filename: str) -> bool:
-    return fnmatch.fnmatchcase(filename, library + ".*.*")
-
-
-def so_link(soname: str) -> str:
-    """discover.getSoLink: libfoo.so.1.2 -> libfoo.so."""
-    while True:
-        ext = go_ext(soname)
-        if not ext:
-            return ""
-        if ext == ".so":
-            return soname
-        soname = soname[: -len(ext)]
-
-
-def is_symlink(path: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def symlink_links(log: Logger, mounts: Sequence[Mount]) -> list[str]:
-    """internal/discover/symlinks.go additionalSymlinks: the create-symlinks --link args."""
-    links: list[str] = []
-    processed: set[str] = set()
-    for mount in mounts:
-        if mount.path in processed:
-            continue
-        processed.add(mount.path)
-        directory, filename = posixpath.split(mount.path)
-        wanted: list[str] = []
-        if is_driver_library("libcuda.so", filename):
-            wanted.append(f"libcuda.so.1::{go_join(directory, 'libcuda.so')}")
-        elif is_driver_library("libGLX_nvidia.so", filename):
-            wanted.append(f"{filename}::{go_join(directory, 'libGLX_indirect.so.0')}")
-        elif is_driver_library("libnvidia-opticalflow.so", filename):
-            target = go_join(directory, "libnvidia-opticalflow.so")
-            wanted.append(f"libnvidia-opticalflow.so.1::{target}")
-        if is_driver_library("*", filename):
-            host_dir = os.path.dirname(mount.host_path)
-            try:
-                soname = read_dt_soname(mount.host_path)
-            except (OSError, ElfError) as exc:
-                log.warning(f"Failed to get soname symlinks for {mount}: {exc}")
-            else:
-                if soname != filename and is_symlink(os.path.join(host_dir, soname)):
-                    wanted.append(f"{filename}::{go_join(directory, soname)}")
-                link = so_link(soname)
-                if link and link != soname and is_symlink(os.path.join(host_dir, link)):
-                    wanted.append(f"{soname}::{go_join(directory, link)}")
-        for link in wanted:
-            if link not in links:
-                links.append(link)
-    return links
-
-
-def is_lib_name(path: str) -> bool:
-    base = os.path.basename(path)
-    if not fnmatch.fnmatchcase(base, "lib?*.so*"):
-        return False
-    parts = base.split(".so")
-    return len(parts) == 1 or parts[-1] == "" or parts[-1].startswith(".")
 
 
 # go-nvml's names for the NVML return codes the stand-in can meet.
@@ -661,68 +279,6 @@ def init_sandboxutils(log: Logger, root: str) -> None:
         symbol_lookup_error("nvSandboxUtilsInit")
     log.warning("Failed to init nvsandboxutils: ERROR_NOT_SUPPORTED (not simulated by this "
                 "test stand-in); ignoring")
-
-
-class Driver:
-    """internal/lookup/root/root.go."""
-
-    def __init__(self, log: Logger, root: str, dev_root: str, nvml_version: str) -> None:
-        self.log = log
-        self.root = root
-        self.dev_root = dev_root
-        self._version = nvml_version
-        self._lib_dirs: list[str] = []
-
-    def libraries(self) -> Locator:
-        return Locator(self.log, self.root, LIBRARY_SEARCH_DIRS, resolve=True)
-
-    def relative_to_root(self, path: str) -> str:
-        if self.root == "/" or not path.startswith("/"):
-            return path
-        return trim_prefix(path, self.root)
-
-    def _infer_version(self) -> str:
-        suffix = self._version or "*.*"
-        errors: list[str] = []
-        for library in ("libcuda.so.", "libnvidia-ml.so."):
-            try:
-                paths = self.libraries().locate(library + suffix)
-            except CtkError as exc:
-                errors.append(f'failed to locate "{library}": {exc}')
-                continue
-            version = trim_prefix(os.path.basename(paths[0]), library)
-            if not version:
-                errors.append(f"failed to extract version from path {paths[0]}")
-                continue
-            return version
-        raise CtkError("\n".join(errors))
-
-    def _update(self) -> None:
-        version = self._infer_version()
-        if self._version and self._version != version:
-            raise CtkError(f"unexpected version detected: {self._version} != {version}")
-        try:
-            paths = self.libraries().locate(f"lib*.so.{version}")
-        except CtkError as exc:
-            raise CtkError(f"failed to locate versioned driver libraries: {exc}") from exc
-        self._version = version
-        self._lib_dirs = unique(self.relative_to_root(os.path.dirname(p)) for p in paths)
-
-    def version(self) -> str:
-        if not self._lib_dirs:
-            self._update()
-        return self._version
-
-    def lib_dirs(self) -> list[str]:
-        if not self._lib_dirs:
-            self._update()
-        return self._lib_dirs
-
-    def driver_library_locator(self, *extra: str) -> Locator:
-        dirs = list(self.lib_dirs())
-        for name in extra:
-            dirs += [name] if name.startswith("/") else [go_join(d, name) for d in self.lib_dirs()]
-        return Locator(self.log, self.root, dirs, resolve=True, required=False)
 
 
 def firmware_search_paths(log: Logger) -> list[str]:
