@@ -52,295 +52,48 @@ Deliberate simplifications (documented, deterministic under tests):
 * Unknown hook names in ``--disable-hook``/``--enable-hook`` are an error here (the real
   tool ignores them silently); stricter, so a typo in the product cannot pass unnoticed.
 
-Test knobs (environment):
-
-  FAKE_NVIDIA_CTK_VERSION=1.17.8   version to impersonate (default 1.20.0)
-  FAKE_NVIDIA_CTK_GPUS=GPU-a,GPU-b simulated NVML GPUs (see above; the library must
-                                   still load and export its init function)
-  FAKE_NVIDIA_CTK_LOG=<file>       append ``json.dumps(sys.argv[1:])`` + newline per call
-  FAKE_NVIDIA_CTK_HANG=1           ``cdi generate`` sleeps forever before discovery/writing
-  FAKE_NVIDIA_CTK_SIGNAL=KILL|SEGV ``cdi generate`` kills itself with that signal
-  FAKE_NVIDIA_CTK_CORRUPT=garbage|nokind|wrongkind|nodevices|staging
-                                   after a successful generation, write a broken spec
-                                   instead (unparsable / no kind / kind example.com/device /
-                                   no devices / libcuda's mount hostPath under
-                                   /run/host-nvidia/0) and exit 0
+Test knobs (environment): FAKE_NVIDIA_CTK_*, listed in knobs.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import posixpath
 import re
-import signal
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from .discover import device_edits, is_lib_name, locate_mounts, symlink_links
-from .edits import MOUNT_OPTIONS, Edits
-from .filepath import go_clean, go_ext, go_join, trim_prefix, unique
+from .discover import device_edits
+from .edits import Edits
+from .filepath import go_ext
 from .hooks import HOOK_APPLICATION_PROFILE, HOOKS_ALWAYS, HookCreator, resolve_hook_path
+from .knobs import (
+    KnobError,
+    apply_process_knobs,
+    corrupt,
+    corruption,
+    impersonated_version,
+    log_invocation,
+    parse_version,
+    simulated_gpus,
+)
 from .logger import CtkError, Logger, UsageError
-from .lookup import EXECUTABLE_SEARCH_DIRS, LIBRARY_SEARCH_DIRS, Driver, Locator, assert_executable
-from .version import DEFAULT_VERSION, KNOWN_COMMITS, V1_18, V1_19, V1_20, Version
-
-DRIVER_BINARIES = (
-    "nvidia-smi",
-    "nvidia-debugdump",
-    "nvidia-persistenced",
-    "nvidia-cuda-mps-control",
-    "nvidia-cuda-mps-server",
-    "nvidia-imex",
-    "nvidia-imex-ctl",
+from .lookup import LIBRARY_SEARCH_DIRS, Driver, Locator
+from .nvcdi import (
+    CONTROL_DEVICE_PATTERNS,
+    MANAGEMENT_BLOCKED_PREFIXES,
+    MANAGEMENT_DEVICE_PATTERNS,
+    device_names,
+    driver_edits,
 )
-MANAGEMENT_DEVICE_PATTERNS = (
-    "/dev/nvidia*",
-    "/dev/nvidia-caps/nvidia-cap*",
-    "/dev/nvidia-modeset",
-    "/dev/nvidia-uvm-tools",
-    "/dev/nvidia-uvm",
-    "/dev/nvidiactl",
-    "/dev/nvidia-caps-imex-channels/channel*",
-)
-MANAGEMENT_BLOCKED_PREFIXES = ("nvidia-fs", "nvidia-nvswitch", "nvidia-nvlink")
-CONTROL_DEVICE_PATTERNS = (
-    "/dev/nvidia-modeset",
-    "/dev/nvidia-uvm-tools",
-    "/dev/nvidia-uvm",
-    "/dev/nvidiactl",
-)
+from .nvml import Nvml, init_sandboxutils
+from .spec import minimum_cdi_version, save
+from .version import KNOWN_COMMITS, V1_18, V1_19, V1_20, Version
 
 MODES_ALWAYS = ("auto", "csv", "gds", "management", "mofed", "nvml", "wsl")
 MODES_SINCE_1_18 = ("gdrcopy", "imex", "nvswitch")
 SIMULATED_MODES = ("nvml", "management")
-
-CORRUPTIONS = ("garbage", "nokind", "wrongkind", "nodevices", "staging")
-GARBAGE_SPEC = '---\ncdiVersion: "0.5.0\nkind: nvidia.com/gpu\ndevices: [\n  {name: all,\n'
-STAGING_PREFIX = "/run/host-nvidia/0"
-
-
-class KnobError(Exception):
-    """Misuse of this stand-in's own FAKE_NVIDIA_CTK_* knobs (exit 2)."""
-
-
-# go-nvml's names for the NVML return codes the stand-in can meet.
-NVML_RETURNS = {0: "SUCCESS", 1: "ERROR_UNINITIALIZED", 2: "ERROR_INVALID_ARGUMENT",
-                3: "ERROR_NOT_SUPPORTED", 9: "ERROR_DRIVER_NOT_LOADED",
-                12: "ERROR_LIBRARY_NOT_FOUND", 13: "ERROR_FUNCTION_NOT_FOUND",
-                999: "ERROR_UNKNOWN"}
-SANDBOXUTILS_LIBRARY = "libnvidia-sandboxutils.so.1"
-
-
-def symbol_lookup_error(symbol: str) -> NoReturn:
-    """How the real tool dies when a library it loaded lacks a function it calls: it is
-    a cgo binary, lazily bound, so glibc's ld.so fails the call itself, prints this line
-    and exits 127 (FACTS.md). No Go log line, no cleanup."""
-    prog = sys.argv[0] if sys.argv and sys.argv[0] else "nvidia-ctk"
-    sys.stdout.flush()
-    sys.stderr.write(f"{prog}: symbol lookup error: {prog}: undefined symbol: {symbol}\n")
-    sys.stderr.flush()
-    os._exit(127)
-
-
-def load_library(path: str) -> Any:
-    """dlopen(path, RTLD_LAZY|RTLD_GLOBAL) as go-nvml's dl package does; None when it
-    cannot be loaded (another architecture, not ELF, missing dependencies)."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(path, mode=os.RTLD_LAZY | os.RTLD_GLOBAL)
-    except OSError:
-        return None
-
-
-_SCRATCH_PREFIX = ".nvidia-ctk-nvml."
-
-
-def _remove_stale_scratch(tmp: str) -> None:
-    """Empty roots of stand-ins that were SIGKILLed in the instant between making theirs
-    and removing it (the product kills an nvidia-ctk whose answer it no longer needs)."""
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith(_SCRATCH_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_SCRATCH_PREFIX):].split(".", 1)[0]
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(tmp, name))
-        except (ValueError, PermissionError):
-            continue
-
-
-def call_isolated(function: Callable[[], int]) -> int:
-    """Call an NVML init function and return its result, in a child process that, when it
-    may, chroots into an empty directory first. The real libnvidia-ml, run as root,
-    mknods /dev/nvidiactl, unlinks /dev/char/<major>:<minor> and looks for modprobe in
-    the caller's root (seen with Debian's 535.309.01): on a test machine that must not
-    happen. In an empty root it finds no /proc, /sys or /dev and answers what it answers
-    without a loaded kernel module. The directory is removed as soon as the child is in
-    it (nothing can be made in a removed directory). Where chroot is not permitted (the
-    unit's capability bounding set in a booted test machine) the call happens in place,
-    as the real tool's would."""
-    tmp = os.environ.get("TMPDIR") or "/tmp"
-    _remove_stale_scratch(tmp)
-    empty = os.path.join(tmp, f"{_SCRATCH_PREFIX}{os.getpid()}.{time.monotonic_ns()}")
-    os.mkdir(empty, 0o700)
-    try:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover (child)
-            try:
-                os.close(read_end)
-                try:
-                    os.chroot(empty)
-                    os.chdir("/")
-                except PermissionError:
-                    pass
-                os.write(write_end, b"\n")  # in its root: the parent may remove it
-                os.write(write_end, str(function()).encode())
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end, "rb") as answer:
-            ready = answer.read(1)
-            os.rmdir(empty)
-            text = answer.read().decode() if ready else ""
-        os.waitpid(pid, 0)
-    finally:
-        if os.path.isdir(empty):
-            os.rmdir(empty)
-    return int(text) if text.strip().lstrip("-").isdigit() else 999
-
-
-@dataclass
-class Nvml:
-    """go-nvml against the libnvidia-ml.so.1 found in the driver root.
-
-    The library is loaded as go-nvml loads it and its init function is resolved as
-    go-nvml's updateVersionedSymbols does (nvmlInit_v2, else nvmlInit). A library
-    without either kills the process like the real tool (symbol_lookup_error); one that
-    cannot be loaded is ERROR_LIBRARY_NOT_FOUND. The init is then really called
-    (call_isolated): 9, ERROR_DRIVER_NOT_LOADED, from the real and the simulated library
-    on a machine without a GPU. FAKE_NVIDIA_CTK_GPUS stands for a GPU machine: NVML
-    initialises and lists those GPUs, without calling the library's init."""
-
-    library: str | None
-    gpus: list[str]
-    result: int = 12
-
-    @classmethod
-    def load(cls, library: str | None, gpus: list[str]) -> Nvml:
-        nvml = cls(library, gpus)
-        loaded = load_library(library) if library is not None else None
-        if loaded is None:
-            return nvml
-        name = next((n for n in ("nvmlInit_v2", "nvmlInit") if hasattr(loaded, n)), None)
-        if name is None:
-            symbol_lookup_error("nvmlInit")
-        init: Callable[[], int] = getattr(loaded, name)
-        nvml.result = 0 if gpus else call_isolated(init)
-        return nvml
-
-    def init_error(self) -> str | None:
-        if self.result == 0:
-            return None
-        return NVML_RETURNS.get(self.result, f"unknown return value: {self.result}")
-
-    def driver_version(self) -> str:
-        error = self.init_error()
-        if error is not None:
-            raise CtkError(f"failed to initialize nvml: {error}")
-        assert self.library is not None
-        version = trim_prefix(os.path.basename(self.library), "libnvidia-ml.so.")
-        if not re.fullmatch(r"\d+(\.\d+)+", version):
-            raise CtkError("failed to get driver version: ERROR_UNKNOWN")
-        return version
-
-
-def init_sandboxutils(log: Logger, root: str) -> None:
-    """nvsandboxutils, when the driver root has it: loaded and its nvSandboxUtilsInit
-    resolved like NVML's init (missing: the same death). Its init takes a versioned
-    struct this stand-in does not build; it is reported as failing, which the real tool
-    ignores with this warning (it then finds the driver files without it)."""
-    locator = Locator(log, root, LIBRARY_SEARCH_DIRS, resolve=True, required=False)
-    found = locator.locate(SANDBOXUTILS_LIBRARY)
-    loaded = load_library(found[0]) if found else None
-    if loaded is None:
-        return
-    if not hasattr(loaded, "nvSandboxUtilsInit"):
-        symbol_lookup_error("nvSandboxUtilsInit")
-    log.warning("Failed to init nvsandboxutils: ERROR_NOT_SUPPORTED (not simulated by this "
-                "test stand-in); ignoring")
-
-
-def firmware_search_paths(log: Logger) -> list[str]:
-    paths: list[str] = []
-    try:
-        with open("/sys/module/firmware_class/parameters/path", encoding="utf-8") as f:
-            custom = f.read().strip()
-    except OSError as exc:
-        log.warning(f"failed to get custom firmware class path: {exc}")
-        custom = ""
-    if custom:
-        paths.append(custom)
-    release = os.uname().release
-    return [
-        *paths,
-        go_join("/lib/firmware/updates/", release),
-        "/lib/firmware/updates/",
-        go_join("/lib/firmware/", release),
-        "/lib/firmware/",
-    ]
-
-
-def driver_edits(log: Logger, driver: Driver, hooks: HookCreator, ctk: Version) -> Edits:
-    """pkg/nvcdi/driver-nvml.go newDriverVersionDiscoverer."""
-    try:
-        version = driver.version()
-    except CtkError as exc:
-        raise CtkError(f'failed to determine driver version (""): {exc}') from exc
-    log.info(f"Using driver version {version}")
-    root = driver.root
-
-    libs = driver.driver_library_locator("vdpau").locate(f"*.so.{version}")
-    if root != "/":
-        libs = [trim_prefix(lib, root) for lib in libs]
-    library_mounts = locate_mounts(log, Locator(log, root), root, libs)
-    library_mounts += locate_mounts(
-        log, driver.driver_library_locator(), root, ["libnvidia-nvvm70.so.*"]
-    )
-
-    edits = Edits()
-    edits.mounts += [m.to_spec() for m in library_mounts]
-    folders = unique(posixpath.dirname(m.path) for m in library_mounts if is_lib_name(m.path))
-    hook_list = [
-        hooks.create("create-symlinks", symlink_links(log, library_mounts)),
-        hooks.create("enable-cuda-compat", [f"--host-driver-version={version}"]),
-        hooks.create("update-ldcache", folders) if folders else None,
-    ]
-    if ctk >= V1_18:
-        hook_list.append(hooks.create("disable-device-node-modification"))
-        edits.env.append("NVIDIA_CTK_LIBCUDA_DIR=" + ":".join(driver.lib_dirs()))
-    edits.hooks += [h for h in hook_list if h is not None]
-
-    ipc = Locator(log, root, ("/run", "/var/run"), count=1)
-    firmware = Locator(log, root, firmware_search_paths(log))
-    binaries = Locator(log, root, EXECUTABLE_SEARCH_DIRS, filter=assert_executable, count=1)
-    for locator, patterns in (
-        (ipc, ("/nvidia-persistenced/socket", "/nvidia-fabricmanager/socket")),
-        (firmware, (go_join("nvidia", version, "gsp*.bin"),)),
-        (binaries, DRIVER_BINARIES),
-    ):
-        edits.mounts += [m.to_spec() for m in locate_mounts(log, locator, root, patterns)]
-    return edits
 
 
 @dataclass(frozen=True)
@@ -614,27 +367,6 @@ def validate_generate(
     )
 
 
-def device_names(strategies: Sequence[str], index: int, uuid: str) -> list[str]:
-    names = {"index": str(index), "uuid": uuid, "type-index": f"gpu{index}"}
-    return [names[s] for s in strategies]
-
-
-def minimum_cdi_version(spec: dict[str, Any]) -> str:
-    """specs-go version.go: the lowest spec version that can express this spec."""
-    all_edits = [spec["containerEdits"]] + [d["containerEdits"] for d in spec["devices"]]
-    if any(e.get("additionalGids") for e in all_edits):
-        return "0.7.0"
-    if any(d.get("annotations") for d in spec["devices"]) or "." in spec["kind"].split("/")[-1]:
-        return "0.6.0"
-    if any(d["name"][:1].isdigit() for d in spec["devices"]) or any(
-        n.get("hostPath") for e in all_edits for n in e.get("deviceNodes", [])
-    ):
-        return "0.5.0"
-    if any(m.get("type") for e in all_edits for m in e.get("mounts", [])):
-        return "0.4.0"
-    return "0.3.0"
-
-
 def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str, Any]:
     """cmd/nvidia-ctk/cdi/generate generateSpecs, for the nvml and management modes."""
     lib_locator = Locator(log, opts.driver_root, LIBRARY_SEARCH_DIRS, resolve=True)
@@ -644,7 +376,7 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
     except CtkError as exc:
         log.warning(f"Ignoring error in locating libnvidia-ml.so.1: {exc}")
         nvml_library = None
-    gpus = [g.strip() for g in os.environ.get("FAKE_NVIDIA_CTK_GPUS", "").split(",") if g.strip()]
+    gpus = simulated_gpus()
     nvml = Nvml.load(nvml_library, gpus)
     try:
         nvml_version = nvml.driver_version()
@@ -730,91 +462,6 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
     return spec
 
 
-def render(spec: dict[str, Any] | str, fmt: str) -> str:
-    if isinstance(spec, str):
-        return spec
-    if fmt == "json":
-        return json.dumps(spec, separators=(",", ":"))
-    import yaml  # here, not at the top: --version and the failure paths do not pay for it
-
-    # libyaml's emitter writes what yaml.safe_dump writes, ~25 ms sooner per spec.
-    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    return "---\n" + yaml.dump(spec, Dumper=dumper, sort_keys=True, default_flow_style=False,
-                               width=4096)
-
-
-def corrupt(spec: dict[str, Any], how: str) -> dict[str, Any] | str:
-    if how == "garbage":
-        return GARBAGE_SPEC
-    if how == "nokind":
-        del spec["kind"]
-    elif how == "wrongkind":
-        spec["kind"] = "example.com/device"
-    elif how == "nodevices":
-        spec["devices"] = []
-    elif how == "staging":
-        mounts = spec["containerEdits"].setdefault("mounts", [])
-        target = next((m for m in mounts if "/libcuda.so." in m["containerPath"]), None)
-        if target is None:
-            target = {
-                "containerPath": "/lib/x86_64-linux-gnu/libcuda.so.1",
-                "options": list(MOUNT_OPTIONS),
-            }
-            mounts.append(target)
-        target["hostPath"] = go_join(STAGING_PREFIX, posixpath.basename(target["containerPath"]))
-    return spec
-
-
-def save(spec: dict[str, Any] | str, opts: GenerateOptions, log: Logger) -> None:
-    """pkg/nvcdi/spec Save + the CDI cache's WriteSpec (temp file, rename, chmod 0644)."""
-    if not opts.output:
-        sys.stdout.write(render(spec, opts.format))
-        sys.stdout.flush()
-        return
-    path = opts.output
-    if go_ext(path) not in (".yaml", ".json"):
-        path += ".json" if opts.format == "json" else ".yaml"
-    if go_clean(os.path.dirname(path) or ".") == ".":
-        path = os.path.join(os.getcwd(), path)
-    data = render(spec, "json" if go_ext(path) == ".json" else "yaml")
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        # Go's os.CreateTemp: a fresh name, O_EXCL, 0600 (tempfile costs ~5 ms to import)
-        tmp = os.path.join(directory, f"spec.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise CtkError(f"failed to write spec: {exc}") from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(data)
-        os.rename(tmp, path)
-        os.chmod(path, 0o644)
-    except OSError as exc:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise CtkError(f"failed to write spec: {exc}") from exc
-    log.info(f"Wrote CDI spec to {path}")
-
-
-def apply_process_knobs() -> None:
-    """FAKE_NVIDIA_CTK_SIGNAL / FAKE_NVIDIA_CTK_HANG (before anything is discovered/written)."""
-    name = os.environ.get("FAKE_NVIDIA_CTK_SIGNAL", "")
-    if name:
-        signum = {"KILL": signal.SIGKILL, "SEGV": signal.SIGSEGV}.get(name.upper())
-        if signum is None:
-            raise KnobError(f"FAKE_NVIDIA_CTK_SIGNAL={name}: expected KILL or SEGV")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if signum != signal.SIGKILL:
-            signal.signal(signum, signal.SIG_DFL)  # also overrides faulthandler's handler
-        os.kill(os.getpid(), signum)
-        time.sleep(5)  # not reached: the signal is delivered first
-    if os.environ.get("FAKE_NVIDIA_CTK_HANG", "") not in ("", "0"):
-        while True:
-            time.sleep(3600)
-
-
 def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:
     values, explicit, positional = parse_flags(args, GENERATE_FLAGS, ctk)
     if values.get("help"):
@@ -826,32 +473,15 @@ def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:
     if positional:
         raise UsageError(f"unexpected arguments: {' '.join(positional)} (stand-in is strict)")
     opts = validate_generate(values, explicit, ctk, log)
-    how = os.environ.get("FAKE_NVIDIA_CTK_CORRUPT", "")
-    if how and how not in CORRUPTIONS:
-        raise KnobError(f"FAKE_NVIDIA_CTK_CORRUPT={how}: expected one of {CORRUPTIONS}")
+    how = corruption()
     apply_process_knobs()
     try:
         spec = generate_spec(opts, ctk, log)
     except CtkError as exc:
         raise CtkError(f"failed to generate CDI spec: {exc}") from exc
-    save(corrupt(spec, how) if how else spec, opts, log)
+    save(corrupt(spec, how) if how else spec, opts.output, opts.format, log)
     log.info(f"Generated CDI spec with version {spec['cdiVersion']}")
     return 0
-
-
-def parse_version(text: str) -> Version:
-    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.-]*)?", text)
-    if not match:
-        raise KnobError(f"FAKE_NVIDIA_CTK_VERSION={text!r} is not a version like 1.20.0")
-    major, minor, patch = (int(g) for g in match.groups())
-    return major, minor, patch
-
-
-def log_invocation(argv: Sequence[str]) -> None:
-    path = os.environ.get("FAKE_NVIDIA_CTK_LOG")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(list(argv)) + "\n")
 
 
 GLOBAL_FLAGS = (
@@ -882,7 +512,7 @@ def fail_usage(log: Logger, message: str) -> NoReturn:
 
 def main(argv: Sequence[str]) -> int:
     log_invocation(argv)
-    version_text = os.environ.get("FAKE_NVIDIA_CTK_VERSION", DEFAULT_VERSION)
+    version_text = impersonated_version()
     log = Logger()
     try:
         ctk = parse_version(version_text)
