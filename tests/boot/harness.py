@@ -174,15 +174,17 @@ NodeFactory = Callable[..., Node]
 
 def install_toolkit(root: Path) -> None:
     """The tests' nvidia-ctk and nvidia-cdi-hook (tests/toolkit.py) as /usr/bin/nvidia-ctk
-    and /usr/bin/nvidia-cdi-hook, where NVIDIA's packages put them; the stand-ins' modules
-    in the guest's dist-packages, where their launchers find them."""
+    and /usr/bin/nvidia-cdi-hook, where NVIDIA's packages put them; the stand-ins' packages
+    (their source, no bytecode) in the guest's dist-packages, where their launchers find
+    them."""
     for tool in (toolkit.NVIDIA_CTK, toolkit.NVIDIA_CDI_HOOK):
         dest = root / "usr/bin" / tool.name
         shutil.copyfile(tool, dest)
         dest.chmod(0o755)
-        module = tool.with_name(tool.name.replace("-", "_") + ".py")
+        package = tool.with_name(tool.name.replace("-", "_"))
         if not toolkit.REAL:
-            shutil.copyfile(module, root / "usr/lib/python3/dist-packages" / module.name)
+            shutil.copytree(package, root / "usr/lib/python3/dist-packages" / package.name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def new_node(base: Path, deb: Path, *, gpu: bool = True,

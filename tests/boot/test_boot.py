@@ -421,9 +421,10 @@ def test_a_pod_on_a_booted_gpu_node(make_node: NodeFactory, tmp_path: Path) -> N
         shutil.copy2(guest / SPEC.lstrip("/"), specs)
         assert "path: /usr/bin/nvidia-cdi-hook" in (specs / "nvidia.yaml").read_text()
         shutil.copy2(guest / "usr/bin/nvidia-cdi-hook", hook)
-        module = guest / "usr/lib/python3/dist-packages/nvidia_cdi_hook.py"
-        if module.exists():  # the stand-in's launcher looks beside itself first
-            shutil.copy2(module, hook)
+        package = guest / "usr/lib/python3/dist-packages/nvidia_cdi_hook"
+        if package.exists():  # the stand-in's launcher looks beside itself first
+            shutil.copytree(package, hook / package.name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
         nodes = [Path(f"/dev/{name}") for name in node.sim.devices]
         run_nvidia = Path("/run/nvidia")
         made = not run_nvidia.exists()
