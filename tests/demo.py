@@ -65,8 +65,10 @@ def show_pod(title: str, result: pod.Pod) -> dict[str, Any]:
     print("    ldconfig -p:" + ("" if report["ldconfig_p"] else " nothing for libcuda or NVML"))
     for line in report["ldconfig_p"]:
         print(f"      {line}")
-    print(f"    nvmlInit_v2() = {report['nvmlInit_v2']}    cuInit(0) = {report['cuInit']}")
-    print(f"    nvidia-smi: {report['nvidia_smi'][1]}")
+    print(f"    nvmlInit_v2() = {report['nvmlInit_v2']}")
+    print(f"    cuInit(0) = {report['cuInit']}")
+    smi = report["nvidia_smi"][1].replace("\n", "\n                ")
+    print(f"    nvidia-smi: {smi}")
     return report
 
 
