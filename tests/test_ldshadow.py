@@ -27,7 +27,7 @@ from unbounded_nvidia_setup.ldconf import dropin_text
 
 import simgpu
 from conftest import Cli, needs_root
-from test_run import check_json
+from test_run import check_json, codes
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
@@ -135,3 +135,55 @@ def test_a_conf_file_after_the_drop_in_does_not_shadow(m: simgpu.SimMachine,
     assert out.code == 0, out.stderr
     assert cache_first(m, "libcuda.so.1") == f"{DRIVER_LIBDIR}/libcuda.so.1"
     assert check_json(cli, m)["ok"] is True
+
+
+# --------------------------------------------------------------------------------------
+# `check` names the conf file
+
+
+def shadowed(report: dict[str, object]) -> list[dict[str, str]]:
+    found = report["problems"]
+    assert isinstance(found, list)
+    return [p for p in found if p["code"] == "ldcache-shadowed"]
+
+
+def test_check_names_the_conf_file_on_a_ready_node(m: simgpu.SimMachine, cli: Cli) -> None:
+    """The package installed after a good boot, its postinst's ldconfig included: the
+    cache now resolves the compat copies (ldcache-stale), and the conf file is why."""
+    assert cli(m.root, "run").code == 0
+    conf = install_cuda_compat(m)
+    report = check_json(cli, m)
+    assert codes(report) == {"ldcache-shadowed", "ldcache-stale"}, report["problems"]
+    problems = report["problems"]
+    assert isinstance(problems, list) and problems[0]["code"] == "ldcache-shadowed"  # cause
+    found = shadowed(report)
+    assert [p["path"] for p in found] == [str(conf)]
+    message = found[0]["message"]
+    for part in (f"{conf} line 1", COMPAT, "libcuda.so.1", "libnvidia-ptxjitcompiler.so.1",
+                 DRIVER_LIBDIR):
+        assert part in message, message
+
+
+def test_check_names_the_conf_file_with_no_driver_root(m: simgpu.SimMachine,
+                                                       cli: Cli) -> None:
+    """What a first boot's rollback leaves (no root, drop-in or spec): the cause is shown
+    beside the missing state, for the SONAMEs every root has."""
+    conf = install_cuda_compat(m)
+    report = check_json(cli, m)
+    assert codes(report) == {"root-missing", "ldconf-missing", "ldcache-shadowed",
+                             "spec-missing"}, report["problems"]
+    found = shadowed(report)
+    assert [p["path"] for p in found] == [str(conf)]
+    assert COMPAT in found[0]["message"] and "libcuda.so.1" in found[0]["message"]
+
+
+def test_check_names_a_directory_line_of_ld_so_conf_itself(m: simgpu.SimMachine,
+                                                           cli: Cli) -> None:
+    """Not only ld.so.conf.d: a directory line above the `include` comes first too (no
+    file name of ours could outrank it)."""
+    assert cli(m.root, "run").code == 0
+    install_cuda_compat(m, "zz-cuda.conf")
+    assert check_json(cli, m)["ok"] is True
+    ld_so_conf = m.root / "etc/ld.so.conf"
+    ld_so_conf.write_text(f"{COMPAT}\n{ld_so_conf.read_text()}")
+    assert [p["path"] for p in shadowed(check_json(cli, m))] == [str(ld_so_conf)]
