@@ -122,6 +122,26 @@ def test_an_include_cycle_or_a_fifo_ends(tmp_path: Path) -> None:
     assert [d.path for d in ldsoconf.search_order(machine)] == ["/opt/a", DRIVER_LIBDIR]
 
 
+def test_paths_resolve_under_the_root_as_in_ldconfigs_chroot(tmp_path: Path) -> None:
+    """An absolute link starts again at the root, `..` stops there, and a dangling link
+    or a loop resolves to nothing (ldconfig -r chroots; the tool must not read the
+    host's files for the machine's)."""
+    root = tmp_path / "root"
+    (root / "usr/local/cuda-12.9/compat").mkdir(parents=True)
+    os.symlink("/usr/local/cuda-12.9", root / "usr/local/cuda")
+    os.symlink("../../../../../etc", root / "usr/local/up")
+    os.symlink("loop", root / "usr/loop")
+    os.symlink("/nowhere", root / "usr/dangling")
+    r = str(root)
+    assert ldsoconf.resolve(r, "/usr/local/cuda/compat") == f"{r}/usr/local/cuda-12.9/compat"
+    assert ldsoconf.resolve(r, "/usr/local/up") is None  # root/etc does not exist
+    (root / "etc").mkdir()
+    assert ldsoconf.resolve(r, "/usr/local/up") == f"{r}/etc"
+    assert ldsoconf.resolve(r, "/usr/loop") is None
+    assert ldsoconf.resolve(r, "/usr/dangling") is None
+    assert ldsoconf.resolve(r, "/") == r
+
+
 # --------------------------------------------------------------------------------------
 # The facts the decision rests on, with the real ldconfig
 

@@ -23,11 +23,13 @@ import glob
 import os
 import posixpath
 import stat
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import LDCONF_DROPIN, Machine
-from .discover import open_regular, resolve_within
+from .discover import open_regular
 from .elf import CorruptElf, read_elf
 from .ldconf import driver_libdir, dropin_text
 from .spec import Problem
@@ -37,6 +39,7 @@ CONF = "/etc/ld.so.conf"
 # memory); real configurations nest one or two deep.
 _MAX_DEPTH = 8
 _MAX_CONF = 1 << 20
+_MAX_LINKS = 40  # the kernel's limit
 _SPACE = " \t\n\v\f\r"  # C isspace
 _BLANKS = (" ", "\t")  # C isblank
 
@@ -103,17 +106,53 @@ def glob_matches(path: str, pattern: str) -> bool:
         for n, p in zip(names, parts, strict=True))
 
 
+def resolve(root: str, path: str) -> str | None:
+    """`path` (as the machine sees it) resolved as the kernel would in a chroot at `root`,
+    as ldconfig -r does: absolute link targets start again at `root`, `..` stops there.
+    None when it dangles or loops. discover.resolve_within's rule on plain strings: this
+    runs for every conf file and directory on every boot, and pathlib's cost per
+    component was most of the search order's."""
+    base = root.rstrip("/")
+    parts = deque(path.split("/"))
+    current, hops = base, 0
+    while parts:
+        part = parts.popleft()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.rsplit("/", 1)[0] if current != base else base
+            continue
+        candidate = f"{current}/{part}"
+        try:
+            st = os.lstat(candidate)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > _MAX_LINKS:
+                return None
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = base
+            parts.extendleft(reversed(target.split("/")))
+            continue
+        if parts and not stat.S_ISDIR(st.st_mode):
+            return None
+        current = candidate
+    return current or "/"
+
+
 def _read(machine: Machine, path: str) -> str | None:
     """A conf file's text, or None: never anything but a regular file (ldconfig blocks on
     a FIFO named *.conf). The drop-in reads as the run writes it, so the order is the
     one ldconfig follows once the drop-in is there, before the run wrote it too."""
     if path == LDCONF_DROPIN:
         return dropin_text(machine)
-    target = resolve_within(machine.root, machine.root, path.lstrip("/"))
+    target = resolve(str(machine.root), path)
     if target is None:
         return None
     try:
-        fd = open_regular(target)
+        fd = open_regular(Path(target))
     except (OSError, ValueError):
         return None
     with os.fdopen(fd, "rb") as f:
@@ -127,43 +166,57 @@ def _expand(machine: Machine, pattern: str) -> list[str]:
     return sorted(found, key=os.fsencode)
 
 
-def _identity(machine: Machine, path: str) -> object:
-    """What makes two lines name one directory, as ldconfig compares them (device and
-    inode); None for a directory that does not exist, which ldconfig leaves out. The
-    driver root's own directory counts as there before the run builds it."""
-    target = resolve_within(machine.root, machine.root, path.lstrip("/"))
+@dataclass(frozen=True)
+class _Located:
+    entry: ConfDir
+    key: object  # what makes two lines name one directory (_identity)
+    real: str | None  # the directory resolved under the root; None: not there yet
+
+
+def _locate(machine: Machine, path: str) -> tuple[object, str | None]:
+    """(identity, resolved path). The identity is what makes two lines name one
+    directory, as ldconfig compares them (device and inode); None for a directory that
+    does not exist, which ldconfig leaves out. The driver root's own directory counts as
+    there before the run builds it."""
+    real = resolve(str(machine.root), path)
     try:
-        st = os.stat(target) if target is not None else None
+        st = os.stat(real) if real is not None else None
     except OSError:
         st = None
     if st is not None and stat.S_ISDIR(st.st_mode):
-        return (st.st_dev, st.st_ino)
-    return "driver-libdir" if path == driver_libdir(machine) else None
+        return (st.st_dev, st.st_ino), real
+    return ("driver-libdir" if path == driver_libdir(machine) else None), None
 
 
-def _ordered(machine: Machine) -> Iterator[tuple[ConfDir, object]]:
+def _ordered(machine: Machine) -> Iterator[_Located]:
     seen = set()
     for entry in walk(lambda p: _read(machine, p), lambda p: _expand(machine, p)):
-        key = _identity(machine, entry.path)
+        key, real = _locate(machine, entry.path)
         if key is not None and key not in seen:
             seen.add(key)
-            yield entry, key
+            yield _Located(entry, key, real)
 
 
 def search_order(machine: Machine) -> list[ConfDir]:
     """The directories ldconfig searches before its built-in ones, in its order, with
     the drop-in as the run writes it (the driver root's directory counts as there)."""
-    return [entry for entry, _ in _ordered(machine)]
+    return [located.entry for located in _ordered(machine)]
 
 
 def _holds(machine: Machine, directory: str, soname: str) -> bool:
-    """`directory/soname` is a library of the machine's architecture with that DT_SONAME:
-    what ldconfig lists for that directory and ld.so would load from it."""
-    target = resolve_within(machine.root, machine.root, f"{directory}/{soname}".lstrip("/"))
+    """`directory/soname` (`directory` resolved under the root) is a library of the
+    machine's architecture with that DT_SONAME: what ldconfig lists for that directory
+    and ld.so would load. Most SONAMEs are not there: one lstat says so."""
+    path = f"{directory}/{soname}"
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+    target = resolve(str(machine.root), os.path.relpath(path, machine.root)) if is_link else path
     if target is None:
         return False
     try:
-        fd = open_regular(target)
+        fd = open_regular(Path(target))
     except (OSError, ValueError):
         return False
     with os.fdopen(fd, "rb", buffering=4096) as f:
@@ -180,14 +233,16 @@ def shadows(machine: Machine, sonames: Iterable[str]) -> list[Shadow]:
     driver root's SONAMEs). None when the driver root is not in the search order at all:
     then nothing comes before it (the linker cache check says it is missing)."""
     wanted = sorted(set(sonames))
-    driver = _identity(machine, driver_libdir(machine))
+    driver, _ = _locate(machine, driver_libdir(machine))
     found: list[Shadow] = []
-    for entry, key in _ordered(machine):
-        if key == driver:
+    for located in _ordered(machine):
+        if located.key == driver:
             return found
-        held = tuple(s for s in wanted if _holds(machine, entry.path, s))
+        if located.real is None:
+            continue
+        held = tuple(s for s in wanted if _holds(machine, located.real, s))
         if held:
-            found.append(Shadow(entry, held))
+            found.append(Shadow(located.entry, held))
     return []
 
 
