@@ -26,8 +26,8 @@ from unbounded_nvidia_setup.config import Config, Machine
 from unbounded_nvidia_setup.ldconf import dropin_text
 
 import simgpu
-from conftest import Cli, needs_root
-from test_run import check_json, codes
+from conftest import Cli, Outcome, needs_root
+from test_run import check_json, codes, root_of, snapshot, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
@@ -207,3 +207,58 @@ def test_check_names_a_directory_line_of_ld_so_conf_itself(m: simgpu.SimMachine,
     ld_so_conf = m.root / "etc/ld.so.conf"
     ld_so_conf.write_text(f"{COMPAT}\n{ld_so_conf.read_text()}")
     assert [p["path"] for p in shadowed(check_json(cli, m))] == [str(ld_so_conf)]
+
+
+# --------------------------------------------------------------------------------------
+# `run` refuses, changing nothing, in one line
+
+
+def refused(out: Outcome, conf: Path) -> str:
+    """The run's one line: the conf file, the directory, the SONAME, what to do."""
+    assert out.code == 1, out.stderr
+    assert "Ready" not in out.stderr
+    assert len(out.errors) == 1, out.lines
+    line = out.errors[0]
+    for part in (str(conf), COMPAT, "libcuda.so.1", DRIVER_LIBDIR, "remove that file",
+                 "nothing was changed"):
+        assert part in line, line
+    return line
+
+
+def test_a_compat_dir_named_first_fails_the_first_boot_changing_nothing(
+        m: simgpu.SimMachine, cli: Cli) -> None:
+    conf = install_cuda_compat(m)
+    assert cache_first(m, "libcuda.so.1") == f"{COMPAT}/libcuda.so.1"
+    out = cli(m.root, "run")
+    refused(out, conf)
+    # Refused before anything was built, swapped, generated or written.
+    assert "Building driver root" not in out.stderr
+    assert "Generating the CDI spec" not in out.stderr
+    assert not os.path.lexists(root_of(m))
+    assert not list(root_of(m).parent.glob(".driver.*"))
+    assert not spec_of(m).exists() and not (m.root / DROPIN).exists()
+    assert "ldcache-shadowed" in codes(check_json(cli, m))
+    # The operator removes the file: the unit's next retry succeeds, nothing else needed.
+    conf.unlink()
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    assert cache_first(m, "libcuda.so.1") == f"{DRIVER_LIBDIR}/libcuda.so.1"
+    assert check_json(cli, m)["ok"] is True
+
+
+def test_a_compat_dir_installed_on_a_ready_node_keeps_the_live_state(
+        m: simgpu.SimMachine, cli: Cli) -> None:
+    assert cli(m.root, "run").code == 0
+    before = snapshot(m)
+    conf = install_cuda_compat(m)
+    refused(cli(m.root, "run"), conf)
+    assert snapshot(m) == before
+
+
+def test_a_directory_line_of_ld_so_conf_itself_fails_the_run(m: simgpu.SimMachine,
+                                                             cli: Cli) -> None:
+    install_cuda_compat(m, "zz-cuda.conf")
+    ld_so_conf = m.root / "etc/ld.so.conf"
+    ld_so_conf.write_text(f"{COMPAT}\n{ld_so_conf.read_text()}")
+    line = refused(cli(m.root, "run"), ld_so_conf)
+    assert f"{ld_so_conf} line 1 " in line

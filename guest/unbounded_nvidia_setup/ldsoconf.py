@@ -250,8 +250,8 @@ def describe(machine: Machine, shadow: Shadow) -> str:
     names = ", ".join(shadow.sonames[:3]) + (
         f" (and {len(shadow.sonames) - 3} more)" if len(shadow.sonames) > 3 else "")
     return (f"{machine.at(shadow.where.conf)} line {shadow.where.line} names "
-            f"{shadow.where.path}, which holds {names} and comes before the driver root's "
-            f"{driver_libdir(machine)} in the linker's search order")
+            f"{shadow.where.path}, which the linker searches before the driver root's "
+            f"{driver_libdir(machine)}, and it holds other copies of {names}")
 
 
 def problems(machine: Machine, sonames: Iterable[str]) -> list[Problem]:
