@@ -253,6 +253,12 @@ def test_a_compat_dir_installed_on_a_ready_node_keeps_the_live_state(
     conf = install_cuda_compat(m)
     refused(cli(m.root, "run"), conf)
     assert snapshot(m) == before
+    # The repair on a running node: the file goes (a purge, whose libc-bin trigger runs a
+    # plain ldconfig); no restart of the unit, kubelet or containerd is needed.
+    conf.unlink()
+    assert codes(check_json(cli, m)) == {"ldcache-stale"}
+    subprocess.run([LDCONFIG, "-r", str(m.root)], check=True)
+    assert check_json(cli, m)["ok"] is True
 
 
 def test_a_directory_line_of_ld_so_conf_itself_fails_the_run(m: simgpu.SimMachine,
