@@ -169,7 +169,7 @@ def _expand(machine: Machine, pattern: str) -> list[str]:
 @dataclass(frozen=True)
 class _Located:
     entry: ConfDir
-    key: object  # what makes two lines name one directory (_identity)
+    key: object  # what makes two lines name one directory (_locate)
     real: str | None  # the directory resolved under the root; None: not there yet
 
 
@@ -230,8 +230,8 @@ def _holds(machine: Machine, directory: str, soname: str) -> bool:
 
 def shadows(machine: Machine, sonames: Iterable[str]) -> list[Shadow]:
     """Directories searched before the driver root's that hold any of `sonames` (the
-    driver root's SONAMEs). None when the driver root is not in the search order at all:
-    then nothing comes before it (the linker cache check says it is missing)."""
+    driver root's SONAMEs). Empty when the driver root is not in the search order at
+    all: then nothing comes before it (the linker cache check says it is missing)."""
     wanted = sorted(set(sonames))
     driver, _ = _locate(machine, driver_libdir(machine))
     found: list[Shadow] = []
