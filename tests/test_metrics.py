@@ -235,6 +235,31 @@ def test_a_run_rolled_back_at_its_end_state_keeps_the_last_check(
     assert cli(m.root, "run").code == 0  # repaired
 
 
+def test_a_run_refused_for_a_shadowing_conf_file_records_why(
+        m: simgpu.SimMachine, cli: Cli, exporter: NodeExporter) -> None:
+    """Refused before changing anything (tests/test_ldshadow.py), the run records what
+    check sees: on a first boot no check has run yet (the timer's first is 5 min after
+    boot, ordered after the setup unit), so the run's file is where the cause shows."""
+    from test_ldshadow import install_cuda_compat
+
+    conf = install_cuda_compat(m)
+    before = time.time()
+    assert cli(m.root, "run").code == 1
+    promtool_check(exporter.directory / FILE)
+    s = exporter.scrape()
+    assert value(s, "run_success") == 0 and value(s, "run_exit_code") == 1
+    assert value(s, "check_ok") == 0 and value(s, "check_timestamp_seconds") >= before
+    series = problem_series(s)
+    assert series["ldcache-shadowed"] == 1 and series["root-missing"] == 1, series
+    assert cli(m.root, "check", "--metrics").code == 1  # the drift check says the same
+    assert problem_series(exporter.scrape()) == series
+
+    conf.unlink()
+    assert cli(m.root, "run").code == 0
+    s = exporter.scrape()
+    assert value(s, "check_ok") == 1 and problem_series(s) == dict.fromkeys(PROBLEM_CODES, 0)
+
+
 def _metrics_fsync(m: simgpu.SimMachine) -> int:
     """N such that the main thread's N-th fsync is the one of the metrics temp file."""
     trace = m.root.parent / "fsync.trace"

@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import discover, driver, ldconf, tree
+from . import discover, driver, ldconf, ldsoconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
-from .plan import Manifest
+from .plan import ACTIVE_LINKS, Manifest
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, Problem, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
@@ -212,6 +212,11 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
 
 def _check_ldcache(machine: Machine, report: Report,
                    sonames: dict[str, str | None] | None) -> None:
+    """The search order first: a directory ahead of the driver root's is why the cache
+    resolves a SONAME elsewhere, and it is found without a root too (after a first
+    boot's rollback), for the SONAMEs every root has (libcuda.so.1, libnvidia-ml.so.1)."""
+    present = ACTIVE_LINKS if sonames is None else {s for s in sonames.values() if s}
+    report.problems += ldsoconf.problems(machine, present)
     if sonames is not None:
         report.problems += ldconf.cache_problems(machine, sonames)
 

@@ -17,8 +17,13 @@ from .verify import resolve
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
 
 
+def driver_libdir(machine: Machine) -> str:
+    """The driver root's library directory as the machine sees it: the drop-in's line."""
+    return f"{machine.config.driver_root.rstrip('/')}/{machine.libdir}"
+
+
 def dropin_text(machine: Machine) -> str:
-    return f"{HEADER}{machine.config.driver_root.rstrip('/')}/{machine.libdir}\n"
+    return f"{HEADER}{driver_libdir(machine)}\n"
 
 
 def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool = True) -> bool:
@@ -153,7 +158,7 @@ def cache_problems(machine: Machine, sonames: dict[str, str | None]) -> list[Pro
     entries = cache_entries(machine)
     if isinstance(entries, str):
         return [Problem("ldcache-stale", f"{cache}: {entries}", str(cache))]
-    libdir = f"{machine.config.driver_root.rstrip('/')}/{machine.libdir}"
+    libdir = driver_libdir(machine)
     real = os.path.realpath(machine.at(libdir))
     problems = []
     for name, soname in sorted(sonames.items()):

@@ -50,7 +50,7 @@ PROBLEM_CODES = (
     "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
     "root-foreign-file", "root-bad-owner", "root-bad-mode", "root-mixed-versions",
     "root-version-mismatch",
-    "ldconf-missing", "ldcache-stale", "legacy-link",
+    "ldconf-missing", "ldcache-stale", "ldcache-shadowed", "legacy-link",
     "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
     "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
     "spec-missing-library", "spec-missing-helper", "spec-shadowed",

@@ -137,6 +137,12 @@ class Plan:
     files: tuple[PlannedFile, ...]
     links: tuple[tuple[str, str], ...]  # (path relative to the root, relative target)
 
+    def sonames(self, directory: str) -> set[str]:
+        """DT_SONAMEs of the files planned directly in `directory` (the library directory
+        the drop-in names): what the machine's linker will look up in the root."""
+        return {soname for f in self.files if f.dest.rpartition("/")[0] == directory
+                and f.source.elf is not None and (soname := f.source.elf.soname)}
+
     def manifest(self) -> Manifest:
         result: Manifest = {}
         for f in self.files:

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from . import cdi, discover, driver, ldconf, log, tree
+from . import cdi, discover, driver, ldconf, ldsoconf, log, tree
 from .config import Machine
 from .lock import locked
 from .log import EXIT_TEMPFAIL, Failure, die
@@ -123,7 +123,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     # nvidia-ctk and ldconfig are found before anything live changes.
     with cdi.Generator(machine) as generator:
         find_program(machine.config.ldconfig, "ldconfig")
-        plan, want, new = _resolve_and_build(machine, force)
+        plan, want, new = _resolve_and_build(machine, force, record)
         live = machine.driver_root
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         if new is not None:
@@ -265,13 +265,15 @@ class Undo:
             _best_effort_ldconfig(machine)
 
 
-def _resolve_and_build(machine: Machine, force: bool) -> tuple[Plan, Manifest, Path | None]:
+def _resolve_and_build(machine: Machine, force: bool,
+                       record: RunRecord) -> tuple[Plan, Manifest, Path | None]:
     """The plan, its manifest, and a verified new generation when the live root differs."""
     module = discover.module_version(machine)
     log.info(f"kernel module version: {module or 'not readable'}")
     dirs = wait_for_staging(machine)
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
     plan = driver.resolve(machine, dirs, module)
+    _refuse_if_shadowed(machine, plan, record)
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
     tree.remove_leftovers(live.parent)
@@ -280,6 +282,28 @@ def _resolve_and_build(machine: Machine, force: bool) -> tuple[Plan, Manifest, P
         log.info(f"driver root {live} already holds driver {plan.version}: not rebuilt")
         return plan, want, None
     return plan, want, _build(machine, plan, want, force)
+
+
+SHADOW_HINT = ("remove that file or its line (pods get the driver's libraries through CDI, "
+               "not from this machine's linker); nothing was changed, and the unit's next "
+               "retry succeeds once it is gone")
+
+
+def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None:
+    """A directory searched before the driver root's that holds one of its SONAMEs makes
+    the machine's linker load that copy, so the end state could never be proven: refuse
+    before building or changing anything, naming the conf file (docs/architecture.md,
+    "The linker's search order"). Having changed nothing, the run records what `check`
+    sees now, so its metrics name the cause while systemd retries."""
+    shadows = ldsoconf.shadows(machine, plan.sonames(machine.libdir))
+    if not shadows:
+        return
+    from .check import collect
+
+    record.report, record.checked_at = collect(machine), time.time()
+    more = len(shadows) - 1
+    die(ldsoconf.describe(machine, shadows[0]) + (f" (and {more} more)" if more else ""),
+        hint=SHADOW_HINT)
 
 
 def _best_effort_ldconfig(machine: Machine) -> None:
