@@ -25,6 +25,7 @@ from unbounded_nvidia_setup import ldsoconf
 from unbounded_nvidia_setup.config import Config, Machine
 from unbounded_nvidia_setup.ldconf import dropin_text
 
+import elfbuild
 import simgpu
 from conftest import Cli, Outcome, needs_root
 from test_run import check_json, codes, root_of, snapshot, spec_of
@@ -45,7 +46,7 @@ def install_cuda_compat(m: simgpu.SimMachine, conf_name: str = "000_cuda.conf") 
     compat = m.root / COMPAT.lstrip("/")
     for soname in ("libcuda.so.1", "libnvidia-ptxjitcompiler.so.1"):
         name = f"{soname.rsplit('.so', 1)[0]}.so.{COMPAT_VERSION}"
-        simgpu.compile_so(compat / name, soname)
+        elfbuild.compile_so(compat / name, soname)
         os.symlink(name, compat / soname)
     conf = m.root / "etc/ld.so.conf.d" / conf_name
     conf.write_text(f"{COMPAT}\n")
