@@ -72,6 +72,7 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
         return None
     import shutil
 
+    from .budget import Limit
     from .run import run
 
     systemctl = shutil.which("systemctl")
@@ -79,7 +80,7 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
         return None
     try:
         result = run([systemctl, "show", "--property=ActiveState,SubState", "--value", UNIT],
-                     timeout=10, quiet=True)
+                     limit=Limit(10), quiet=True)
     except Failure:
         return None
     lines = result.stdout.split("\n")

@@ -42,6 +42,14 @@ def _machine(args: argparse.Namespace) -> Machine:
     return Machine.create(args.root, config)
 
 
+def _budgeted(args: argparse.Namespace) -> Machine:
+    """The machine for a command that changes state: every wait in it shares one time
+    budget (run_timeout_seconds) counted from now, so it ends in its own words before the
+    unit's TimeoutStartSec (budget.py)."""
+    start = time.monotonic()
+    return _machine(args).with_budget(start)
+
+
 def run(args: argparse.Namespace) -> int:
     from .metrics import RunRecord
     from .reconcile import reconcile, refresh_spec
@@ -49,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     record = RunRecord()
 
     def action() -> None:
-        record.machine = _machine(args)
+        record.machine = _budgeted(args)
         if args.spec_only:
             refresh_spec(record.machine, record=record)
         else:
@@ -115,7 +123,7 @@ def status(args: argparse.Namespace) -> int:
 def clean(args: argparse.Namespace) -> int:
     from .reconcile import clean as do_clean
 
-    _guarded(lambda: do_clean(_machine(args), force=args.force))
+    _guarded(lambda: do_clean(_budgeted(args), force=args.force))
     return 0
 
 

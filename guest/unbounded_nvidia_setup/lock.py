@@ -18,7 +18,8 @@ _POLL = 0.1
 
 @contextmanager
 def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
-    """Hold the lock (shared for readers such as `check`) or exit 75 after the timeout."""
+    """Hold the lock (shared for readers such as `status`) or exit 75 after
+    lock_timeout_seconds, or sooner when the command's time budget ends first."""
     path = machine.lock_file
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,13 +27,15 @@ def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
     except PermissionError:
         if exclusive:
             die(f"cannot open the lock file {path}: permission denied", hint="run as root")
-        yield  # an unprivileged `check` reads without the lock
+        yield  # an unprivileged `status` reads without the lock
         return
     except OSError as e:
         die(f"cannot open the lock file {path}: {e.strerror}", hint="check that /run is writable")
     try:
-        timeout = machine.config.lock_timeout_seconds
-        deadline = time.monotonic() + timeout
+        # Within the command's time budget: a wait that ate all of it would leave the run
+        # nothing to work with, and systemd's kill no chance to say why.
+        limit = machine.limit(machine.config.lock_timeout_seconds)
+        deadline = time.monotonic() + (limit.seconds or 0.0)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         waiting = False
         while True:
@@ -42,8 +45,8 @@ def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     die(f"another unbounded-nvidia-setup holds {path} for more than "
-                        f"{timeout:g} s", hint="wait for it to finish, or find it with "
-                        f"`fuser {path}`", code=EXIT_TEMPFAIL)
+                        f"{limit.text()}{limit.because()}", hint="wait for it to finish, "
+                        f"or find it with `fuser {path}`", code=EXIT_TEMPFAIL)
                 if not waiting:
                     log.status(f"Waiting for another run holding {path}")
                     waiting = True
