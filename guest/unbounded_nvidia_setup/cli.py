@@ -107,13 +107,15 @@ def check(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from .check import collect, render_status
-    from .lock import locked
+    from .check import collect_beside, render_status
+    from .lock import shared_or_busy
 
     def action() -> None:
         machine = _machine(args)
-        with locked(machine, exclusive=False):
-            report = collect(machine)
+        # Like `check`, never waits behind a run: a person asking during a boot's setup
+        # is told now that one is in progress, not after lock_timeout_seconds.
+        with shared_or_busy(machine) as busy:
+            report = collect_beside(machine, busy)
         print(render_status(machine, report))
 
     _guarded(action)
