@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -22,8 +23,11 @@ def test_defaults_match_the_design() -> None:
         "/run/nvidia/driver", "/run/host-nvidia/*", "/etc/cdi/nvidia.yaml")
     assert (c.nvidia_ctk, c.nvidia_ctk_args, c.ldconfig, c.arch) == ("nvidia-ctk", (),
                                                                      "ldconfig", "auto")
-    assert (c.staging_wait_seconds, c.lock_timeout_seconds) == (60, 300)
+    # lock_timeout_seconds was 300 (DESIGN.md), the unit's whole TimeoutStartSec; it is 60
+    # since every run has its own budget, run_timeout_seconds (issue 16, config.py).
+    assert (c.staging_wait_seconds, c.lock_timeout_seconds) == (60, 60)
     assert (c.nvidia_ctk_timeout_seconds, c.ldconfig_timeout_seconds) == (120, 120)
+    assert c.run_timeout_seconds == 240
     assert c.extra_library_prefixes == ()
 
 
@@ -50,6 +54,10 @@ def test_full_file_is_read(tmp_path: Path) -> None:
     ({"staging_wait_seconds": True}, "staging_wait_seconds"),
     ({"lock_timeout_seconds": -1}, "lock_timeout_seconds"),
     ({"ldconfig_timeout_seconds": "2m"}, "ldconfig_timeout_seconds"),
+    ({"run_timeout_seconds": "4m"}, "run_timeout_seconds"),
+    ({"run_timeout_seconds": 0}, "run_timeout_seconds"),  # "no limit" is what it prevents
+    ({"run_timeout_seconds": 0.5}, "run_timeout_seconds"),
+    ({"run_timeout_seconds": math.inf}, "run_timeout_seconds"),
     ({"nvidia_ctk_args": "--mode=nvml"}, "nvidia_ctk_args"),
     ({"driver_root": "run/nvidia"}, "driver_root"),
     ({"driver_root": "/"}, "driver_root"),
@@ -62,6 +70,16 @@ def test_bad_keys_name_the_key(data: dict[str, object], key: str) -> None:
         parse_config(data, Path("/c.yaml"))
     assert e.value.code == EXIT_USAGE
     assert f"'{key}'" in e.value.message
+
+
+def test_waits_longer_than_the_run_budget_are_accepted() -> None:
+    """A config copied from the old documentation (`lock_timeout_seconds: 300`, the old
+    default) keeps working: the run's budget ends such a wait first and says so (issue 16,
+    docs/architecture.md "The time budget"), instead of the node failing on a config
+    error after an upgrade."""
+    config = parse_config({"lock_timeout_seconds": 300, "nvidia_ctk_timeout_seconds": 600,
+                           "run_timeout_seconds": 60}, Path("/c.yaml"))
+    assert (config.lock_timeout_seconds, config.run_timeout_seconds) == (300, 60)
 
 
 @pytest.mark.parametrize("text,expect", [

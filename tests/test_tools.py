@@ -12,6 +12,7 @@ import pytest
 from pytest_subprocess import FakeProcess
 
 from unbounded_nvidia_setup import cdi
+from unbounded_nvidia_setup.budget import Limit
 from unbounded_nvidia_setup.config import Config, Machine
 from unbounded_nvidia_setup.log import Failure
 from unbounded_nvidia_setup.run import run
@@ -71,18 +72,18 @@ def test_live_machine_passes_dev_root_slash() -> None:
 
 def test_run_reports_the_last_stderr_line(fp: FakeProcess) -> None:
     fp.register(["prog"], stderr="warming up\nfatal: broken\n", returncode=3)
-    result = run(["prog"], timeout=5)
+    result = run(["prog"], limit=Limit(5))
     assert not result.ok and result.why() == "exit status 3: fatal: broken"
 
 
 def test_run_reports_a_signal(fp: FakeProcess) -> None:
     fp.register(["prog"], returncode=-9)
-    assert run(["prog"], timeout=5).why() == "killed by SIGKILL"
+    assert run(["prog"], limit=Limit(5)).why() == "killed by SIGKILL"
 
 
 def test_run_of_a_missing_program_is_one_line() -> None:
     with pytest.raises(Failure, match="cannot run /nonexistent/prog"):
-        run(["/nonexistent/prog"], timeout=5)
+        run(["/nonexistent/prog"], limit=Limit(5))
 
 
 def group_members(pgid: int) -> list[str]:
@@ -112,7 +113,7 @@ def test_run_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     start = time.monotonic()
     try:
         with pytest.raises(Failure, match=r"sh did not finish within 3 s"):
-            run(["sh", "-c", script], timeout=3)
+            run(["sh", "-c", script], limit=Limit(3))
         took = time.monotonic() - start
         assert ready.exists(), "the shell never started its children: raise the timeout"
         # Honoured: not before the timeout, and not held up by the shell on the pipes

@@ -64,7 +64,6 @@ class Generator:
     def __init__(self, machine: Machine) -> None:
         self.machine = machine
         self.ctk = Ctk(find_program(machine.config.nvidia_ctk, "nvidia_ctk"), HOOKS_SINCE)
-        self.timeout = machine.config.nvidia_ctk_timeout_seconds
         self.work = machine.work_dir
         remove_tree(self.work)
         try:
@@ -77,7 +76,10 @@ class Generator:
             self.early = self._generate()
 
     def _start(self, argv: list[str]) -> Started:
-        started = start(argv, timeout=self.timeout)
+        # Each call within its own limit (0 in the config: none) and what is left of the
+        # run's budget when it starts.
+        own = self.machine.config.nvidia_ctk_timeout_seconds or None
+        started = start(argv, limit=self.machine.limit(own))
         self.running.append(started)
         return started
 

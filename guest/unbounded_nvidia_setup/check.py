@@ -72,6 +72,7 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
         return None
     import shutil
 
+    from .budget import Limit
     from .run import run
 
     systemctl = shutil.which("systemctl")
@@ -79,7 +80,7 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
         return None
     try:
         result = run([systemctl, "show", "--property=ActiveState,SubState", "--value", UNIT],
-                     timeout=10, quiet=True)
+                     limit=Limit(10), quiet=True)
     except Failure:
         return None
     lines = result.stdout.split("\n")
@@ -275,11 +276,20 @@ def collect_beside(machine: Machine, busy: bool) -> Report:
     return report
 
 
+def _setup_line(machine: Machine, report: Report) -> str:
+    if report.setup_running:
+        return (f"in progress (a run or clean holds {machine.lock_file}): the state below "
+                "may be changing; ask again when it ends")
+    return "not running"
+
+
 def render_status(machine: Machine, report: Report) -> str:
     root = report.sections.get("driver_root", {})
     spec = report.sections.get("cdi_spec", {})
     plugin = report.sections.get("device_plugin_spec")
     lines = [
+        # First: while a run or clean holds the lock, what follows may be half replaced.
+        f"Setup:          {_setup_line(machine, report)}",
         f"GPU:            {'present' if report.gpu else 'none'}",
         f"Kernel module:  {report.module_version or 'not readable'}",
         f"Driver version: {report.driver_version or '-'}",

@@ -42,6 +42,14 @@ def _machine(args: argparse.Namespace) -> Machine:
     return Machine.create(args.root, config)
 
 
+def _budgeted(args: argparse.Namespace) -> Machine:
+    """The machine for a command that changes state: every wait in it shares one time
+    budget (run_timeout_seconds) counted from now, so it ends in its own words before the
+    unit's TimeoutStartSec (budget.py)."""
+    start = time.monotonic()
+    return _machine(args).with_budget(start)
+
+
 def run(args: argparse.Namespace) -> int:
     from .metrics import RunRecord
     from .reconcile import reconcile, refresh_spec
@@ -49,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     record = RunRecord()
 
     def action() -> None:
-        record.machine = _machine(args)
+        record.machine = _budgeted(args)
         if args.spec_only:
             refresh_spec(record.machine, record=record)
         else:
@@ -99,13 +107,15 @@ def check(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from .check import collect, render_status
-    from .lock import locked
+    from .check import collect_beside, render_status
+    from .lock import shared_or_busy
 
     def action() -> None:
         machine = _machine(args)
-        with locked(machine, exclusive=False):
-            report = collect(machine)
+        # Like `check`, never waits behind a run: a person asking during a boot's setup
+        # is told now that one is in progress, not after lock_timeout_seconds.
+        with shared_or_busy(machine) as busy:
+            report = collect_beside(machine, busy)
         print(render_status(machine, report))
 
     _guarded(action)
@@ -115,7 +125,7 @@ def status(args: argparse.Namespace) -> int:
 def clean(args: argparse.Namespace) -> int:
     from .reconcile import clean as do_clean
 
-    _guarded(lambda: do_clean(_machine(args), force=args.force))
+    _guarded(lambda: do_clean(_budgeted(args), force=args.force))
     return 0
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .budget import MIN_SECONDS, Budget, Limit
 from .log import EXIT_USAGE, die
 
 DEFAULT_CONFIG = "/etc/unbounded/nvidia-setup.yaml"
@@ -34,7 +36,15 @@ class Config:
     ldconfig_timeout_seconds: float = 120.0
     arch: str = "auto"
     staging_wait_seconds: float = 60.0
-    lock_timeout_seconds: float = 300.0
+    # Was 300 s, the unit's whole TimeoutStartSec: a waiter was killed by systemd before it
+    # could say why. Every run now ends within its own budget, so a lock held for longer
+    # than a minute is held by something stuck; exiting 75 and being retried by systemd is
+    # as good as waiting longer, and leaves the rest of the budget for the work.
+    lock_timeout_seconds: float = 60.0
+    # An addition too (issue 16): one budget for a whole `run` or `clean`, every wait in
+    # it included, so whatever hangs ends in the tool's own words. It must stay below the
+    # unit's TimeoutStartSec (5 min) with a margin (tests/test_budget.py checks that).
+    run_timeout_seconds: float = 240.0
     extra_library_prefixes: tuple[str, ...] = ()
     # node_exporter's textfile directory (Debian's prometheus-node-exporter); "" = off.
     metrics_dir: str = "/var/lib/prometheus/node-exporter"
@@ -42,7 +52,7 @@ class Config:
 
 _ABSOLUTE_KEYS = ("driver_root", "staging_glob", "cdi_spec")
 _NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "ldconfig_timeout_seconds", "staging_wait_seconds",
-                "lock_timeout_seconds")
+                "lock_timeout_seconds", "run_timeout_seconds")
 _LIST_KEYS = ("nvidia_ctk_args", "extra_library_prefixes")
 
 
@@ -78,6 +88,10 @@ def parse_config(data: object, path: Path) -> Config:
             if not isinstance(value, str) or not value:
                 _bad(path, key, "must be a non-empty string")
             values[key] = value
+    if "run_timeout_seconds" in values and not (
+            MIN_SECONDS <= values["run_timeout_seconds"] < math.inf):
+        _bad(path, "run_timeout_seconds", f"must be at least {MIN_SECONDS:g} s and "
+             "finite: the whole run must fit in it (and it in the unit's TimeoutStartSec)")
     for key in _ABSOLUTE_KEYS:
         if key in values and not values[key].startswith("/"):
             _bad(path, key, "must be an absolute path")
@@ -147,6 +161,9 @@ class Machine:
     root: Path
     config: Config
     arch: str
+    # The time budget of a command that changes state (cli.run, cli.clean); None for
+    # `check` and `status`, whose waits keep their own limits.
+    budget: Budget | None = None
 
     @classmethod
     def create(cls, root: Path, config: Config) -> Machine:
@@ -161,6 +178,19 @@ class Machine:
 
     def at(self, path: str) -> Path:
         return under(self.root, path)
+
+    def with_budget(self, start: float) -> Machine:
+        """This machine for a command whose every wait shares run_timeout_seconds from
+        `start` (time.monotonic())."""
+        return dataclasses.replace(
+            self, budget=Budget.starting(self.config.run_timeout_seconds, start))
+
+    def limit(self, own: float | None, *, rollback: bool = False) -> Limit:
+        """How long a wait may take: `own` (None: no limit of its own), capped by what is
+        left of the budget when there is one."""
+        if self.budget is None:
+            return Limit(own)
+        return self.budget.limit(own, rollback=rollback)
 
     @property
     def multiarch(self) -> str:

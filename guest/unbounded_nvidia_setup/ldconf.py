@@ -99,19 +99,22 @@ def remove_legacy_links(machine: Machine) -> None:
         log.info(f"removed legacy link {path} (pointed into {machine.staging_parent})")
 
 
-def start_ldconfig(machine: Machine) -> Started:
+def start_ldconfig(machine: Machine, *, rollback: bool = False) -> Started:
     """ldconfig as this tool runs it. `-i`: glibc's aux cache keys a file's SONAME by
     (inode, ctime in seconds, size, device), and a new tmpfs /run hands out the same keys
     again, so a trusted aux cache can give one library another's SONAME. `-X`: the
     driver root's SONAME links were built from the files' own DT_SONAME and verified;
     ldconfig only builds the cache and may not rewrite them (docs/architecture.md). The
     aux cache it writes is read from the files, so a later plain ldconfig (dpkg's
-    libc-bin trigger) makes the same links as ours."""
+    libc-bin trigger) makes the same links as ours. `rollback`: the one that puts the old
+    root's cache back after a failure gets its slice of the time kept for the rollback."""
     ldconfig = find_program(machine.config.ldconfig, "ldconfig")
     argv = [ldconfig, "-i", "-X"]
     if not machine.is_live:
         argv += ["-r", str(machine.root)]
-    return start(argv, timeout=machine.config.ldconfig_timeout_seconds)
+    # 0 in the config: no limit of its own, only the command's budget.
+    own = machine.config.ldconfig_timeout_seconds or None
+    return start(argv, limit=machine.limit(own, rollback=rollback))
 
 
 def check_ldconfig(result: Result) -> None:
@@ -119,8 +122,8 @@ def check_ldconfig(result: Result) -> None:
         die(f"ldconfig failed ({result.why()})", hint="check /etc/ld.so.conf.d and disk space")
 
 
-def run_ldconfig(machine: Machine) -> None:
-    with start_ldconfig(machine) as started:
+def run_ldconfig(machine: Machine, *, rollback: bool = False) -> None:
+    with start_ldconfig(machine, rollback=rollback) as started:
         check_ldconfig(started.wait())
 
 
@@ -128,6 +131,7 @@ def run_ldconfig(machine: Machine) -> None:
 _CACHE_LINE = re.compile(r"\t(\S+) \(([^)]*)\)(?: .*)? => (/.*)")
 _CACHE_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}
 CACHE = "/etc/ld.so.cache"
+CACHE_QUERY_SECONDS = 30.0  # `ldconfig -p` only reads one file: it takes about 1 ms
 
 
 def cache_entries(machine: Machine) -> dict[str, str] | str:
@@ -136,7 +140,9 @@ def cache_entries(machine: Machine) -> dict[str, str] | str:
     Read with `ldconfig -p -C`, which changes nothing."""
     try:
         ldconfig = find_program(machine.config.ldconfig, "ldconfig")
-        result = run([ldconfig, "-p", "-C", str(machine.at(CACHE))], timeout=30, quiet=True)
+        # A run's end-state proof asks this too: within what is left of its budget.
+        result = run([ldconfig, "-p", "-C", str(machine.at(CACHE))],
+                     limit=machine.limit(CACHE_QUERY_SECONDS), quiet=True)
     except Failure as e:
         return e.message
     if not result.ok:

@@ -17,33 +17,33 @@ _POLL = 0.1
 
 
 @contextmanager
-def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
-    """Hold the lock (shared for readers such as `check`) or exit 75 after the timeout."""
+def locked(machine: Machine) -> Iterator[None]:
+    """Hold the lock exclusively (`run`, `clean`) or exit 75 after lock_timeout_seconds, or
+    sooner when the command's time budget ends first. Readers (`check`, `status`) never
+    wait: shared_or_busy."""
     path = machine.lock_file
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except PermissionError:
-        if exclusive:
-            die(f"cannot open the lock file {path}: permission denied", hint="run as root")
-        yield  # an unprivileged `check` reads without the lock
-        return
+        die(f"cannot open the lock file {path}: permission denied", hint="run as root")
     except OSError as e:
         die(f"cannot open the lock file {path}: {e.strerror}", hint="check that /run is writable")
     try:
-        timeout = machine.config.lock_timeout_seconds
-        deadline = time.monotonic() + timeout
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        # Within the command's time budget: a wait that ate all of it would leave the run
+        # nothing to work with, and systemd's kill no chance to say why.
+        limit = machine.limit(machine.config.lock_timeout_seconds)
+        deadline = time.monotonic() + (limit.seconds or 0.0)
         waiting = False
         while True:
             try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     die(f"another unbounded-nvidia-setup holds {path} for more than "
-                        f"{timeout:g} s", hint="wait for it to finish, or find it with "
-                        f"`fuser {path}`", code=EXIT_TEMPFAIL)
+                        f"{limit.text()}{limit.because()}", hint="wait for it to finish, "
+                        f"or find it with `fuser {path}`", code=EXIT_TEMPFAIL)
                 if not waiting:
                     log.status(f"Waiting for another run holding {path}")
                     waiting = True
@@ -55,12 +55,12 @@ def locked(machine: Machine, *, exclusive: bool = True) -> Iterator[None]:
 
 @contextmanager
 def shared_or_busy(machine: Machine) -> Iterator[bool]:
-    """For `check`: one non-blocking try at the shared lock. Yields False holding it (no
-    run can change the state while `check` reads it), or True without it when a run or
-    `clean` holds it exclusively: that caller is told at once that a setup is in progress
-    instead of waiting behind it for up to `lock_timeout_seconds`. Reading unlocked is
-    safe because a run replaces the root, the spec and the drop-in by rename, so every
-    file read is a whole old or a whole new one; `check` changes nothing either way."""
+    """For `check` and `status`: one non-blocking try at the shared lock. Yields False
+    holding it (no run can change the state while they read it), or True without it when
+    a run or `clean` holds it exclusively: the caller is told at once that a setup is in
+    progress instead of waiting behind it for up to `lock_timeout_seconds`. Reading
+    unlocked is safe because a run replaces the root, the spec and the drop-in by rename,
+    so every file read is a whole old or a whole new one; neither changes anything."""
     path = machine.lock_file
     fd = _open_for_probe(path)
     if fd is None:  # no lock file (nothing ever ran) or not readable: nobody to wait for

@@ -39,8 +39,10 @@ def running_consumers(machine: Machine) -> list[str]:
 
 def wait_for_staging(machine: Machine) -> list[Path]:
     """All staging dirs, once every one of them is populated (an empty one is a bind mount
-    the host has not made yet); exit 75 when they are not within the configured wait."""
-    wait = machine.config.staging_wait_seconds
+    the host has not made yet); exit 75 when they are not within the configured wait, or
+    within what is left of the run's budget when that ends first."""
+    limit = machine.limit(machine.config.staging_wait_seconds)
+    wait = limit.seconds or 0.0
     start = time.monotonic()
     pattern = machine.at(machine.config.staging_glob)
     while True:
@@ -51,10 +53,11 @@ def wait_for_staging(machine: Machine) -> list[Path]:
         waited = time.monotonic() - start
         what = f"{', '.join(map(str, empty))} empty" if empty else f"nothing at {pattern}"
         if waited >= wait:
-            die(f"NVIDIA devices present but driver staging is not ready after {wait:g} s "
-                f"({what})", hint="the host agent must bind-mount its driver library "
-                "directories; systemd retries", code=EXIT_TEMPFAIL)
-        log.status(f"Waiting for driver staging ({what}, {waited:.0f} s of {wait:g} s)")
+            die(f"NVIDIA devices present but driver staging is not ready after "
+                f"{limit.text()} ({what}){limit.because()}",
+                hint="the host agent must bind-mount its driver library directories; "
+                     "systemd retries", code=EXIT_TEMPFAIL)
+        log.status(f"Waiting for driver staging ({what}, {waited:.0f} s of {limit.text()})")
         time.sleep(min(_POLL, max(0.0, wait - waited)))
 
 
@@ -127,6 +130,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
         live = machine.driver_root
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         if new is not None:
+            _refuse_if_out_of_time(machine, new)
             generator.discard_early()
             undo.swapped, undo.old = True, tree.swap(new, live)
 
@@ -306,11 +310,25 @@ def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None
         hint=SHADOW_HINT)
 
 
+def _refuse_if_out_of_time(machine: Machine, new: Path) -> None:
+    """A swap now would have no time left to generate the spec and would only be rolled
+    back: when the budget is spent (a slow copy), stop while nothing live has changed."""
+    if machine.budget is not None and machine.budget.exhausted():
+        tree.remove_tree(new)
+        die(f"the run's time budget (run_timeout_seconds: {machine.budget.total:g}) ran out "
+            "while building the new driver root; nothing was changed",
+            hint="systemd retries; if copying the driver is this slow, raise "
+                 "run_timeout_seconds together with the unit's TimeoutStartSec",
+            code=EXIT_TEMPFAIL)
+
+
 def _best_effort_ldconfig(machine: Machine) -> None:
     """After a rollback the linker cache should name the old generation's files again;
-    the run is failing already, so a second failure here only gets logged."""
+    the run is failing already, so a second failure here only gets logged. It runs within
+    its slice of the time kept back for the rollback (budget.py): an ldconfig that hung
+    forward mostly hangs again, and the run must still end in its own words."""
     try:
-        ldconf.run_ldconfig(machine)
+        ldconf.run_ldconfig(machine, rollback=True)
     except Failure as e:
         log.warn(f"after rolling back: {e.message}")
 

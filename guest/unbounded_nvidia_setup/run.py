@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from . import log
+from .budget import Limit
 from .log import die
 
 
@@ -52,11 +53,11 @@ class Started:
     """A program started in the background; wait() collects it. Used as a context
     manager, a program not waited for (the caller failed meanwhile) is killed."""
 
-    def __init__(self, argv: list[str], timeout: float, quiet: bool = False) -> None:
+    def __init__(self, argv: list[str], limit: Limit, quiet: bool = False) -> None:
         (log.debug if quiet else log.info)(f"running: {shlex.join(argv)}")
         self.argv = argv
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout if timeout else None
+        self.limit = limit
+        self.deadline = None if limit.seconds is None else time.monotonic() + limit.seconds
         self.result: Result | None = None
         try:
             self.proc = subprocess.Popen(
@@ -79,8 +80,12 @@ class Started:
             out, err = self.proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
             self.kill()
-            die(f"{self.argv[0]} did not finish within {self.timeout:g} s",
-                hint="check the program; the timeout is configurable")
+            # Cut short by the run's budget, the program may only be slow: the budget is
+            # raised with the unit's timeout, or systemd kills the run mid-way again.
+            die(f"{self.argv[0]} did not finish within {self.limit.text()}"
+                f"{self.limit.because()}", hint="check the program; " + (
+                    "raise run_timeout_seconds only together with the unit's TimeoutStartSec"
+                    if self.limit.by_budget else "the timeout is configurable"))
         for line in err.splitlines():
             log.debug(f"{os.path.basename(self.argv[0])}: {line}")
         self.result = Result(self.argv, self.proc.returncode, out, err)
@@ -100,13 +105,13 @@ class Started:
             self.kill()
 
 
-def start(argv: list[str], *, timeout: float) -> Started:
-    """Start `argv`; its whole process group is killed when `timeout` passes."""
-    return Started(argv, timeout)
+def start(argv: list[str], *, limit: Limit) -> Started:
+    """Start `argv`; its whole process group is killed when `limit` passes."""
+    return Started(argv, limit)
 
 
-def run(argv: list[str], *, timeout: float, quiet: bool = False) -> Result:
-    """Run `argv` to completion; kill its whole process group when `timeout` passes.
+def run(argv: list[str], *, limit: Limit, quiet: bool = False) -> Result:
+    """Run `argv` to completion; kill its whole process group when `limit` passes.
     `quiet`: a query that changes nothing, logged at debug level only (`check` output)."""
-    with Started(argv, timeout, quiet) as started:
+    with Started(argv, limit, quiet) as started:
         return started.wait()
