@@ -39,7 +39,7 @@ from invariants import (
 )
 from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
-from unbounded_nvidia_setup.plan import own_soname
+from unbounded_nvidia_setup.plan import soname_problem
 
 import realdriver
 import simgpu
@@ -426,19 +426,25 @@ def fake_lib(name: str, soname: str | None) -> Inspected:
                      size=1, mtime_ns=1, dev=1, ino=1)
 
 
-@pytest.mark.parametrize("file,soname,ok", [
-    ("libcuda.so.550.127.05", "libcuda.so.1", True),
-    ("libnvidia-gpucomp.so.550.127.05", "libnvidia-gpucomp.so.550.127.05", True),
-    ("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1", True),
-    ("libnvidia-vulkan-producer.so.535.183.01", None, True),
-    ("libnvidia-x.so.1", "../../etc/x", False),
-    ("libnvidia-x.so.1", "..", False),
-    ("libnvidia-x.so.1", "libnvidia-x.so.1\n", False),
-    ("libnvidia-x.so.1", "libcuda.so.1", False),
-    ("libnvidia-x.so.1", "libc.so.6", False),
+@pytest.mark.parametrize("file,soname,problem", [
+    ("libcuda.so.550.127.05", "libcuda.so.1", None),
+    ("libnvidia-gpucomp.so.550.127.05", "libnvidia-gpucomp.so.550.127.05", None),
+    ("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1", None),
+    ("libnvidia-vulkan-producer.so.535.183.01", None, None),
+    ("libnvidia-x.so.1", "../../etc/x", "is not a plain file name"),
+    ("libnvidia-x.so.1", "..", "is not a plain file name"),
+    ("libnvidia-x.so.1", "libnvidia-x.so.1\n", "is not a plain file name"),
+    ("libnvidia-x.so.1", "libcuda.so.1", "is not a name of this library"),
+    ("libnvidia-x.so.1", "libc.so.6", "is not a name of this library"),
+    # issue 16: each of these once made a root that failed its own verification
+    ("libnvidia-x.so.1", "libnvidia-x", "is not a library name (no .so in it)"),
+    ("libnvidia-x.so.1", "libnvidia-x.so." + "1" * 250,
+     "is longer than a file name can be (255 bytes)"),
+    ("libcuda.so.550.127.05.bak", "libcuda.so",
+     "is the linker name the driver root links to libcuda.so.1"),
 ])
-def test_own_soname_rule(file: str, soname: str | None, ok: bool) -> None:
-    assert own_soname(fake_lib(file, soname)) is ok
+def test_soname_rule(file: str, soname: str | None, problem: str | None) -> None:
+    assert soname_problem(fake_lib(file, soname)) == problem
 
 
 # --------------------------------------------------------------------------------------
