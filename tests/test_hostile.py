@@ -43,6 +43,7 @@ from unbounded_nvidia_setup.plan import soname_problem
 
 import realdriver
 import simgpu
+import stagingfuzz
 from conftest import Outcome, needs_root
 from realmachine import real_machine
 from test_realdriver import fetch
@@ -655,6 +656,41 @@ def test_library_changing_while_being_copied(m: simgpu.SimMachine, tmp_path: Pat
     assert tr.outcome.code == 1, tr.outcome.stderr
     assert len(tr.outcome.errors) == 1, tr.outcome.lines
     assert "changed while being copied" in tr.outcome.errors[0]
+    assert not os.path.lexists(m.driver_root)
+    assert not list(m.driver_root.parent.glob(".driver.*"))
+
+
+def test_library_rewritten_in_place_keeping_its_mtime(m: simgpu.SimMachine,
+                                                      tmp_path: Path) -> None:
+    """libcuda's DT_SONAME rewritten in place while its copy waits in the kernel, and its
+    mtime put back: inode, size and mtime are what the run inspected, so the copy's
+    identity check passes, but the copy's ELF headers differ from the plan's. That is the
+    host changing its driver, not a bug (issue 16; before, the run ended in "the new
+    driver root failed verification (...); this is a bug")."""
+    cuda = m.lib_dir / f"libcuda.so.{m.version}"
+    simgpu.compile_so(cuda, "libcuda.so.1", size=8 << 20)
+    data = cuda.read_bytes()
+    lay = stagingfuzz.layout(data)
+    entry = lay.first(stagingfuzz.DT_SONAME)
+    assert entry is not None and lay.strtab is not None
+    at = lay.strtab + entry.value
+    assert data[at:at + 13] == b"libcuda.so.1\0"
+    before = cuda.stat()
+
+    def rewrite() -> None:
+        with open(cuda, "r+b") as f:
+            f.seek(at)
+            f.write(b"libcuda.so.2")
+        os.utime(cuda, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    tr = run_traced(m, inject=DELAY_FIRST_COPY, during=start_when_copying(m, cuda.name, rewrite))
+    confined(tr, m, tmp_path)
+    assert cuda.stat().st_mtime_ns == before.st_mtime_ns
+    assert tr.outcome.code == 1, tr.outcome.stderr
+    assert len(tr.outcome.errors) == 1, tr.outcome.lines
+    error = tr.outcome.errors[0]
+    assert f"staged file {os.path.realpath(cuda)} changed during setup" in error, error
+    assert "this is a bug" not in error
     assert not os.path.lexists(m.driver_root)
     assert not list(m.driver_root.parent.glob(".driver.*"))
 
