@@ -35,9 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# tests/ on the path, for the command line: the imports below are test modules.
 sys.path.insert(0, str(Path(__file__).parent))
 
-import simgpu  # (tests/ is on the path from here on)
+from check_schema import parse_check
+
+import simgpu
 import toolkit
 
 # Dynamic tags and segment types this fuzz edits.
@@ -462,6 +465,7 @@ def all_cases(libs: dict[str, str | None], ctx: Context) -> list[Case]:
 class Outcome:
     case: str
     # ok | refused | bug | traceback | end-state | build-error | changed-live | other | n/a
+    # | check-invalid (`check --json` after the run broke its schema)
     kind: str
     code: int
     error: str
@@ -585,10 +589,10 @@ class Bench:
         if check and out.kind not in ("ok",):
             report = cli(self.m.root, "check", "--json")
             try:
-                problems = json.loads(report.stdout)["problems"]
-            except (ValueError, KeyError):
-                problems = [{"code": "unparsable", "message": report.stderr[-300:]}]
-            out.check = problems
+                out.check = parse_check(report.stdout, report.returncode)["problems"]
+            except Exception as e:  # a finding of its own: the report is kept, not raised
+                out.kind = "check-invalid"
+                out.check = [{"code": "check-invalid", "message": f"{e}"[:300]}]
         return out
 
 
