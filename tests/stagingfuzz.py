@@ -591,7 +591,8 @@ class Bench:
             try:
                 out.check = parse_check(report.stdout, report.returncode)["problems"]
             except Exception as e:  # a finding of its own: the report is kept, not raised
-                out.kind = "check-invalid"
+                if out.kind == "refused":  # a worse outcome of the run itself stays
+                    out.kind = "check-invalid"
                 out.check = [{"code": "check-invalid", "message": f"{e}"[:300]}]
         return out
 
