@@ -8,6 +8,8 @@ import glob
 import io
 import os
 import struct
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from unbounded_nvidia_setup.elf import CorruptElf, ElfInfo, read_elf
 
 import elfbuild
 import realdriver
+import stagingfuzz
 
 
 def reference(data: bytes) -> tuple[int, str | None] | None:
@@ -113,3 +116,38 @@ def test_garbage_after_the_magic_is_corrupt(garbage: bytes) -> None:
         mine(garbage)
     with pytest.raises(ELFError):
         reference(garbage)
+
+
+@pytest.mark.parametrize("damage", [
+    stagingfuzz.header("<Q", 32, (1 << 64) - 1),  # e_phoff: seek() cannot take it
+    stagingfuzz.header("<Q", 32, 1 << 63),
+    stagingfuzz.header("<H", 54, 0xFFFF),  # e_phentsize: a stride over garbage
+    stagingfuzz.header("<H", 54, 64),
+    stagingfuzz.dynamic_field(8, (1 << 64) - 1),  # PT_DYNAMIC p_offset
+    stagingfuzz.dynamic_field(32, (1 << 64) - 1),  # PT_DYNAMIC p_filesz: read() of 2**64
+    stagingfuzz.dynamic_field(32, 1 << 40),  # ... or a MemoryError
+    lambda data: stagingfuzz.soname_value(data, 1 << 63),  # DT_SONAME string offset
+    lambda data: stagingfuzz.soname_value(data, (1 << 64) - 1),
+    stagingfuzz.two_sonames,
+], ids=["phoff-2**64-1", "phoff-2**63", "phentsize-0xffff", "phentsize-64",
+        "dynamic-offset-2**64-1", "dynamic-size-2**64-1", "dynamic-size-2**40",
+        "soname-offset-2**63", "soname-offset-2**64-1", "two-sonames"])
+def test_offsets_sizes_and_tags_a_real_library_cannot_have_are_corrupt(
+        tmp_path: Path, damage: Callable[[bytes], bytes | None]) -> None:
+    """Header fields the staging fuzz (issue 16) set on real driver files: each once ended
+    in a traceback (ValueError from seek, OverflowError or MemoryError from read) or in a
+    SONAME glibc's ldconfig did not see; each is CorruptElf, the run's "damaged ELF
+    file". The library is gcc-built against libc, so it has DT_NEEDED entries as real
+    driver libraries do (two_sonames turns one into a second DT_SONAME)."""
+    (tmp_path / "a.c").write_text("int f(void) { return 0; }\n")
+    out = tmp_path / "a.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
+                    str(tmp_path / "a.c"), "-lm", "-Wl,--no-as-needed"], check=True)
+    whole = out.read_bytes()
+    assert mine(whole) == ElfInfo(64, "x86_64", "ET_DYN", "libcuda.so.1")
+    data = damage(whole)
+    assert data is not None
+    out.write_bytes(data)
+    # Read from a file as the tool does: BytesIO.read(2**40) allocates nothing.
+    with open(out, "rb", buffering=4096) as f, pytest.raises(CorruptElf):
+        read_elf(f)

@@ -39,12 +39,13 @@ from invariants import (
 )
 from unbounded_nvidia_setup.discover import Inspected, Staged
 from unbounded_nvidia_setup.elf import ElfInfo, read_elf
-from unbounded_nvidia_setup.plan import own_soname
+from unbounded_nvidia_setup.plan import soname_problem
 
 import drivertables
 import elfbuild
 import realdriver
 import simgpu
+import stagingfuzz
 from conftest import Outcome, needs_root
 from realmachine import real_machine
 from test_realdriver import fetch
@@ -428,19 +429,25 @@ def fake_lib(name: str, soname: str | None) -> Inspected:
                      size=1, mtime_ns=1, dev=1, ino=1)
 
 
-@pytest.mark.parametrize("file,soname,ok", [
-    ("libcuda.so.550.127.05", "libcuda.so.1", True),
-    ("libnvidia-gpucomp.so.550.127.05", "libnvidia-gpucomp.so.550.127.05", True),
-    ("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1", True),
-    ("libnvidia-vulkan-producer.so.535.183.01", None, True),
-    ("libnvidia-x.so.1", "../../etc/x", False),
-    ("libnvidia-x.so.1", "..", False),
-    ("libnvidia-x.so.1", "libnvidia-x.so.1\n", False),
-    ("libnvidia-x.so.1", "libcuda.so.1", False),
-    ("libnvidia-x.so.1", "libc.so.6", False),
+@pytest.mark.parametrize("file,soname,problem", [
+    ("libcuda.so.550.127.05", "libcuda.so.1", None),
+    ("libnvidia-gpucomp.so.550.127.05", "libnvidia-gpucomp.so.550.127.05", None),
+    ("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1", None),
+    ("libnvidia-vulkan-producer.so.535.183.01", None, None),
+    ("libnvidia-x.so.1", "../../etc/x", "is not a plain file name"),
+    ("libnvidia-x.so.1", "..", "is not a plain file name"),
+    ("libnvidia-x.so.1", "libnvidia-x.so.1\n", "is not a plain file name"),
+    ("libnvidia-x.so.1", "libcuda.so.1", "is not a name of this library"),
+    ("libnvidia-x.so.1", "libc.so.6", "is not a name of this library"),
+    # issue 16: each of these once made a root that failed its own verification
+    ("libnvidia-x.so.1", "libnvidia-x", "is not a library name (no .so in it)"),
+    ("libnvidia-x.so.1", "libnvidia-x.so." + "1" * 250,
+     "is longer than a file name can be (255 bytes)"),
+    ("libcuda.so.550.127.05.bak", "libcuda.so",
+     "is the linker name the driver root links to libcuda.so.1"),
 ])
-def test_own_soname_rule(file: str, soname: str | None, ok: bool) -> None:
-    assert own_soname(fake_lib(file, soname)) is ok
+def test_soname_rule(file: str, soname: str | None, problem: str | None) -> None:
+    assert soname_problem(fake_lib(file, soname)) == problem
 
 
 # --------------------------------------------------------------------------------------
@@ -651,6 +658,41 @@ def test_library_changing_while_being_copied(m: simgpu.SimMachine, tmp_path: Pat
     assert tr.outcome.code == 1, tr.outcome.stderr
     assert len(tr.outcome.errors) == 1, tr.outcome.lines
     assert "changed while being copied" in tr.outcome.errors[0]
+    assert not os.path.lexists(m.driver_root)
+    assert not list(m.driver_root.parent.glob(".driver.*"))
+
+
+def test_library_rewritten_in_place_keeping_its_mtime(m: simgpu.SimMachine,
+                                                      tmp_path: Path) -> None:
+    """libcuda's DT_SONAME rewritten in place while its copy waits in the kernel, and its
+    mtime put back: inode, size and mtime are what the run inspected, so the copy's
+    identity check passes, but the copy's ELF headers differ from the plan's. That is the
+    host changing its driver, not a bug (issue 16; before, the run ended in "the new
+    driver root failed verification (...); this is a bug")."""
+    cuda = m.lib_dir / f"libcuda.so.{m.version}"
+    elfbuild.compile_so(cuda, "libcuda.so.1", size=8 << 20)
+    data = cuda.read_bytes()
+    lay = stagingfuzz.layout(data)
+    entry = lay.first(stagingfuzz.DT_SONAME)
+    assert entry is not None and lay.strtab is not None
+    at = lay.strtab + entry.value
+    assert data[at:at + 13] == b"libcuda.so.1\0"
+    before = cuda.stat()
+
+    def rewrite() -> None:
+        with open(cuda, "r+b") as f:
+            f.seek(at)
+            f.write(b"libcuda.so.2")
+        os.utime(cuda, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    tr = run_traced(m, inject=DELAY_FIRST_COPY, during=start_when_copying(m, cuda.name, rewrite))
+    confined(tr, m, tmp_path)
+    assert cuda.stat().st_mtime_ns == before.st_mtime_ns
+    assert tr.outcome.code == 1, tr.outcome.stderr
+    assert len(tr.outcome.errors) == 1, tr.outcome.lines
+    error = tr.outcome.errors[0]
+    assert f"staged file {os.path.realpath(cuda)} changed during setup" in error, error
+    assert "this is a bug" not in error
     assert not os.path.lexists(m.driver_root)
     assert not list(m.driver_root.parent.glob(".driver.*"))
 

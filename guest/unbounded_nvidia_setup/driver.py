@@ -27,7 +27,12 @@ def resolve(machine: Machine, dirs: list[Path], module_version: str | None) -> p
         elif elf.bits != 64 or elf.machine != machine.arch:
             log.debug(f"ignoring {item.staged.path}: {elf.bits}-bit {elf.machine}, "
                       f"not 64-bit {machine.arch}")
-    selected = plan.select_libraries(libraries, found.links, version, machine.arch)
+    # A damaged libcuda or libnvidia-ml refuses the run here, naming the file:
+    # select_libraries leaves out what it cannot link, and the run would then call it
+    # missing.
+    plan.check_required(libraries, version, machine.arch)
+    selected = plan.select_libraries(libraries, found.links, version, machine.arch,
+                                     machine.config.extra_library_prefixes)
     helpers = _inspect_all(found.helpers)
     firmware = [(v, i) for v, s in found.firmware
                 if v == version and (i := discover.inspect(s)) is not None]

@@ -8,6 +8,7 @@ pyelftools cost ~30 ms to import and ~1 ms per file to set up its parsers (measu
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -18,6 +19,7 @@ _TYPES = {1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
 _PT_LOAD, _PT_DYNAMIC = 1, 2
 _DT_NULL, _DT_STRTAB, _DT_SONAME = 0, 5, 14
 _MAX_PHNUM = 256
+_PHENTSIZE = 56
 _MAX_NAME = 4096
 
 
@@ -33,7 +35,12 @@ class ElfInfo:
     soname: str | None
 
 
-def _read(stream: BinaryIO, offset: int, size: int, what: str) -> bytes:
+def _read(stream: BinaryIO, end: int, offset: int, size: int, what: str) -> bytes:
+    """`size` bytes at `offset`. Offsets and sizes come from the file itself: one past its
+    `end` is refused before seeking or reading, since seek() cannot take 2**63 and
+    read() would allocate whatever size a damaged header asks for."""
+    if offset + size > end:
+        raise CorruptElf(f"{what} at offset {offset} runs past the end of the file")
     stream.seek(offset)
     data = stream.read(size)
     if len(data) != size:
@@ -50,18 +57,21 @@ def read_elf(stream: BinaryIO) -> ElfInfo | None:
         raise CorruptElf("bad ELF identification")
     bits = 32 if ident[4] == 1 else 64
     order = "<" if ident[5] == 1 else ">"
-    e_type, e_machine = struct.unpack(order + "HH", _read(stream, 16, 4, "ELF header"))
+    end = stream.seek(0, io.SEEK_END)
+    e_type, e_machine = struct.unpack(order + "HH", _read(stream, end, 16, 4, "ELF header"))
     info = ElfInfo(bits, _MACHINES.get(e_machine, f"EM_{e_machine}"),
                    _TYPES.get(e_type, f"ET_{e_type}"), None)
     if bits != 64 or e_machine not in _MACHINES:
         return info  # skipped by the caller; no need to read further
-    e_phoff, = struct.unpack(order + "Q", _read(stream, 32, 8, "ELF header"))
-    e_phentsize, e_phnum = struct.unpack(order + "HH", _read(stream, 54, 4, "ELF header"))
+    e_phoff, = struct.unpack(order + "Q", _read(stream, end, 32, 8, "ELF header"))
+    e_phentsize, e_phnum = struct.unpack(order + "HH", _read(stream, end, 54, 4, "ELF header"))
     if e_phnum == 0:
         return info
-    if e_phentsize < 56 or e_phnum > _MAX_PHNUM:
+    # Elf64_Phdr is 56 bytes; glibc refuses any other entry size too ("ELF file's
+    # phentsize not the expected size"), and a larger stride reads garbage as headers.
+    if e_phentsize != _PHENTSIZE or e_phnum > _MAX_PHNUM:
         raise CorruptElf("bad program header table")
-    table = _read(stream, e_phoff, e_phentsize * e_phnum, "program header table")
+    table = _read(stream, end, e_phoff, e_phentsize * e_phnum, "program header table")
     loads: list[tuple[int, int, int]] = []
     dynamic: tuple[int, int] | None = None
     for i in range(e_phnum):
@@ -73,7 +83,7 @@ def read_elf(stream: BinaryIO) -> ElfInfo | None:
             dynamic = (p_offset, p_filesz)
     if dynamic is None:
         return info
-    entries = _read(stream, dynamic[0], dynamic[1] - dynamic[1] % 16, "dynamic segment")
+    entries = _read(stream, end, dynamic[0], dynamic[1] - dynamic[1] % 16, "dynamic segment")
     strtab = soname = None
     for d_tag, d_val in struct.iter_unpack(order + "qQ", entries):
         if d_tag == _DT_NULL:
@@ -81,6 +91,10 @@ def read_elf(stream: BinaryIO) -> ElfInfo | None:
         if d_tag == _DT_STRTAB:
             strtab = d_val
         elif d_tag == _DT_SONAME:
+            # Readers disagree on which of two counts (glibc's ldconfig and this tool did,
+            # in the staging fuzz): no library has two, so neither is trusted.
+            if soname is not None:
+                raise CorruptElf("more than one DT_SONAME")
             soname = d_val
     if soname is None:
         return info
@@ -89,7 +103,10 @@ def read_elf(stream: BinaryIO) -> ElfInfo | None:
     # DT_STRTAB is an address: find the loaded segment that holds it.
     for vaddr, offset, filesz in loads:
         if vaddr <= strtab < vaddr + filesz:
-            stream.seek(offset + strtab - vaddr + soname)
+            at = offset + strtab - vaddr + soname
+            if at >= end:
+                raise CorruptElf(f"DT_SONAME string at offset {at} is past the end of the file")
+            stream.seek(at)
             name = stream.read(_MAX_NAME).split(b"\0", 1)
             if len(name) < 2:
                 raise CorruptElf("DT_SONAME string is not terminated")

@@ -5,12 +5,21 @@ Nothing here touches the filesystem, so every selection rule is testable without
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import log
-from .discover import SAFE_NAME, VDPAU, VERSION_SUFFIX, Inspected, Link, Staged
+from .discover import (
+    SAFE_NAME,
+    VDPAU,
+    VERSION_SUFFIX,
+    Inspected,
+    Link,
+    Staged,
+    is_library_name,
+)
 from .log import die
 
 LIBRARY_MODE = 0o644
@@ -83,30 +92,110 @@ def _stem(name: str) -> str:
     return name.split(".so", 1)[0]
 
 
-def own_soname(item: Inspected) -> bool:
-    """False when a library's DT_SONAME is not a plain name of that same library. The
-    SONAME becomes a link name in the root, so `../../etc/x` would put a link outside it;
-    and a SONAME naming another library (`libc.so.6`, `libcuda.so.1` in
-    libnvidia-x.so.<ver>) would put a foreign link in the root or shadow the real one.
-    No NVIDIA library does either."""
+# The longest name a Linux filesystem holds (NAME_MAX): a SONAME becomes a link name.
+NAME_MAX = 255
+# Names the root's own links take in the library dir (libcuda.so.1 -> libcuda.so.<ver>,
+# libcuda.so -> libcuda.so.1): no staged regular file and no other SONAME may stand there.
+RESERVED_NAMES = frozenset((*ACTIVE_LINKS, *LINKER_NAMES))
+HOST_DRIVER_BROKEN = "the host's driver installation is broken: reinstall the driver on the host"
+
+
+def soname_problem(item: Inspected, extra_prefixes: tuple[str, ...] = ()) -> str | None:
+    """What keeps a library's DT_SONAME from being the name of its link in the root, or
+    None when nothing does (a library without a DT_SONAME has no link). The SONAME
+    becomes a link name next to the library, so it must be a plain name
+    (`../../etc/x` would put a link outside the root), fit in a directory entry, be a
+    driver library name (verify.py allows nothing else in the root: `libnvidia-x` would
+    be a foreign file), be a name of this same library (`libc.so.6` or `libcuda.so.1` in
+    libnvidia-x.so.<ver> would put a foreign link in the root or shadow the real one),
+    and not be one of the root's own link names (RESERVED_NAMES). No NVIDIA library
+    breaks any of these."""
     soname = item.elf.soname if item.elf else None
-    return soname is None or (SAFE_NAME.fullmatch(soname) is not None
-                              and soname not in (".", "..")
-                              and _stem(soname) == _stem(item.name))
+    if soname is None:
+        return None
+    if SAFE_NAME.fullmatch(soname) is None or soname in (".", ".."):
+        return "is not a plain file name"
+    if len(os.fsencode(soname)) > NAME_MAX:
+        return f"is longer than a file name can be ({NAME_MAX} bytes)"
+    if _stem(soname) != _stem(item.name):
+        return "is not a name of this library"
+    if not is_library_name(soname, extra_prefixes):
+        return "is not a library name (no .so in it)"
+    if soname in LINKER_NAMES:
+        return f"is the linker name the driver root links to {LINKER_NAMES[soname]}"
+    return None
+
+
+def _describe_soname(soname: str | None) -> str:
+    return "no DT_SONAME" if soname is None else f"DT_SONAME {soname!r}"
+
+
+def check_required(inspected: Iterable[Inspected], version: str, arch: str) -> None:
+    """Refuse, naming the file, when a staged libcuda.so.<ver> or libnvidia-ml.so.<ver>
+    (top level of a staging dir) cannot be the driver's: no 64-bit shared object of this
+    architecture under that name (a 32-bit or foreign copy beside a good one is skipped,
+    as a host staging its i386 dir too has one), or one whose DT_SONAME is not
+    libcuda.so.1 / libnvidia-ml.so.1. The root's required link libcuda.so.1 is made
+    from that SONAME, and every loader asks for that name: such a driver is not usable,
+    and leaving the file out would only say "missing" about a file that is there."""
+    items = list(inspected)
+    for base, soname in zip(REQUIRED, ACTIVE_LINKS, strict=True):
+        name = f"{base}.{version}"
+        found = sorted((i for i in items if i.name == name and i.staged.subdir == ""),
+                       key=lambda i: i.staged.index)
+        usable = [i for i in found if _usable(i, arch, ("ET_DYN",))]
+        for item in usable:
+            assert item.elf is not None
+            if item.elf.soname != soname:
+                die(f"incomplete driver state: {name} is not usable: staging file "
+                    f"{item.staged.path} has {_describe_soname(item.elf.soname)}, not "
+                    f"{soname}", hint=HOST_DRIVER_BROKEN)
+        if found and not usable:
+            die(f"incomplete driver state: {name} is not usable: staging file "
+                f"{found[0].staged.path} {_not_usable(found[0], arch)}",
+                hint=HOST_DRIVER_BROKEN)
+
+
+def _not_usable(item: Inspected, arch: str) -> str:
+    elf = item.elf
+    if elf is None:
+        return "is not an ELF file"
+    if elf.bits != 64 or elf.machine != arch:
+        return f"is a {elf.bits}-bit {elf.machine} ELF file, not 64-bit {arch}"
+    return f"is {elf.kind}, not a shared library (ET_DYN)"
+
+
+def _reserved(item: Inspected) -> bool:
+    """A regular file under one of the root's own link names: left out. A plain copy of
+    the link's target (libcuda.so.1 copied instead of linked) is the same library as the
+    one chosen for that SONAME; anything else there is a mistake worth a warning."""
+    if item.staged.subdir or item.name not in RESERVED_NAMES:
+        return False
+    soname = item.elf.soname if item.elf else None
+    if soname == LINKER_NAMES.get(item.name, item.name):
+        log.debug(f"ignoring {item.staged.path}: a copy where the driver root has a link")
+    else:
+        log.warn(f"ignoring {item.staged.path}: the driver root has its own link there, and "
+                 f"this file has {_describe_soname(soname)}")
+    return True
 
 
 def select_libraries(inspected: Iterable[Inspected], links: Iterable[Link], version: str,
-                     arch: str) -> list[Inspected]:
+                     arch: str, extra_prefixes: tuple[str, ...] = ()) -> list[Inspected]:
     """One file per SONAME: the one named for the driver version, else the one the staging
     dir's SONAME link points at; a choice still open is an error. A library whose SONAME
-    is not its own (see own_soname) is left out with a warning."""
+    cannot be its link's name (soname_problem), or a regular file under one of the root's
+    own link names, is left out with a warning; the required libraries were checked
+    before (check_required), so this never leaves out libcuda or libnvidia-ml."""
     groups: dict[tuple[str, str], list[Inspected]] = defaultdict(list)
     for item in inspected:
         if _usable(item, arch, ("ET_DYN",)):
-            if not own_soname(item):
+            if _reserved(item):
+                continue
+            if problem := soname_problem(item, extra_prefixes):
                 assert item.elf is not None
                 log.warn(f"ignoring {item.staged.path}: its DT_SONAME "
-                         f"{item.elf.soname!r} is not a name of this library")
+                         f"{item.elf.soname!r} {problem}")
                 continue
             assert item.elf is not None
             groups[(item.staged.subdir, item.elf.soname or item.name)].append(item)
@@ -174,9 +263,21 @@ def make_plan(libraries: list[Inspected], helpers: list[Inspected],
     for lib in libraries:
         where = f"{libdir}/{VDPAU}" if lib.staged.subdir == VDPAU else libdir
         soname = lib.elf.soname if lib.elf else None
-        if (soname and soname != lib.name and own_soname(lib)
-                and f"{where}/{soname}" not in files):
+        # `libraries` are select_libraries' choice, whose SONAMEs passed soname_problem;
+        # a name that would leave the directory is refused here too, whoever calls.
+        if (not soname or soname == lib.name or not SAFE_NAME.fullmatch(soname)
+                or soname in (".", "..")):
+            continue
+        taken = files.get(f"{where}/{soname}")
+        if taken is None:
             links[f"{where}/{soname}"] = lib.name
+        elif (taken.source.elf.soname if taken.source.elf else None) != soname:
+            # The loader asking for the SONAME would open that other library: two files
+            # claim one SONAME, as in select_libraries.
+            die(f"ambiguous driver files for {soname}: {lib.staged.path} has that DT_SONAME "
+                f"and {taken.source.staged.path}, a file of that name, has "
+                f"{_describe_soname(taken.source.elf.soname if taken.source.elf else None)}",
+                hint="remove the extra copies on the host or fix its SONAME links")
     for name, soname in LINKER_NAMES.items():
         if f"{libdir}/{soname}" in links or f"{libdir}/{soname}" in files:
             links.setdefault(f"{libdir}/{name}", soname)

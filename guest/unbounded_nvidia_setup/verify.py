@@ -9,7 +9,15 @@ from pathlib import Path
 
 from .discover import HELPERS, VDPAU, is_library_name, open_regular
 from .elf import CorruptElf, read_elf
-from .plan import ACTIVE_LINKS, EXECUTABLE_MODE, LIBRARY_MODE, LINKER_NAMES, REQUIRED, name_version
+from .plan import (
+    ACTIVE_LINKS,
+    EXECUTABLE_MODE,
+    LIBRARY_MODE,
+    LINKER_NAMES,
+    REQUIRED,
+    Plan,
+    name_version,
+)
 from .spec import Problem
 
 
@@ -65,6 +73,27 @@ def library_sonames(directory: Path) -> dict[str, str | None]:
                 info = None
         result[name] = info.soname if info else None
     return result
+
+
+def changed_copies(plan: Plan, new: Path) -> list[Path]:
+    """The staged files whose copy in the generation `new` has other ELF headers than the
+    file had when it was inspected: rewritten in place during the run, under the same
+    inode, size and mtime, which is all the copy's identity check compares."""
+    changed = []
+    for planned in plan.files:
+        try:
+            fd = open_regular(new / planned.dest)
+        except (OSError, ValueError):
+            changed.append(planned.source.staged.path)
+            continue
+        with os.fdopen(fd, "rb", buffering=4096) as f:
+            try:
+                info = read_elf(f)
+            except CorruptElf:
+                info = None
+        if info != planned.source.elf:
+            changed.append(planned.source.staged.path)
+    return changed
 
 
 def link_problems(directory: Path,
