@@ -20,8 +20,8 @@ from elftools.elf.elffile import ELFFile
 from unbounded_nvidia_setup.elf import CorruptElf, ElfInfo, read_elf
 
 import elfbuild
+import elfmutate
 import realdriver
-import stagingfuzz
 
 
 def reference(data: bytes) -> tuple[int, str | None] | None:
@@ -119,16 +119,16 @@ def test_garbage_after_the_magic_is_corrupt(garbage: bytes) -> None:
 
 
 @pytest.mark.parametrize("damage", [
-    stagingfuzz.header("<Q", 32, (1 << 64) - 1),  # e_phoff: seek() cannot take it
-    stagingfuzz.header("<Q", 32, 1 << 63),
-    stagingfuzz.header("<H", 54, 0xFFFF),  # e_phentsize: a stride over garbage
-    stagingfuzz.header("<H", 54, 64),
-    stagingfuzz.dynamic_field(8, (1 << 64) - 1),  # PT_DYNAMIC p_offset
-    stagingfuzz.dynamic_field(32, (1 << 64) - 1),  # PT_DYNAMIC p_filesz: read() of 2**64
-    stagingfuzz.dynamic_field(32, 1 << 40),  # ... or a MemoryError
-    lambda data: stagingfuzz.soname_value(data, 1 << 63),  # DT_SONAME string offset
-    lambda data: stagingfuzz.soname_value(data, (1 << 64) - 1),
-    stagingfuzz.two_sonames,
+    elfmutate.header("<Q", 32, (1 << 64) - 1),  # e_phoff: seek() cannot take it
+    elfmutate.header("<Q", 32, 1 << 63),
+    elfmutate.header("<H", 54, 0xFFFF),  # e_phentsize: a stride over garbage
+    elfmutate.header("<H", 54, 64),
+    elfmutate.dynamic_field(8, (1 << 64) - 1),  # PT_DYNAMIC p_offset
+    elfmutate.dynamic_field(32, (1 << 64) - 1),  # PT_DYNAMIC p_filesz: read() of 2**64
+    elfmutate.dynamic_field(32, 1 << 40),  # ... or a MemoryError
+    lambda data: elfmutate.soname_value(data, 1 << 63),  # DT_SONAME string offset
+    lambda data: elfmutate.soname_value(data, (1 << 64) - 1),
+    elfmutate.two_sonames,
 ], ids=["phoff-2**64-1", "phoff-2**63", "phentsize-0xffff", "phentsize-64",
         "dynamic-offset-2**64-1", "dynamic-size-2**64-1", "dynamic-size-2**40",
         "soname-offset-2**63", "soname-offset-2**64-1", "two-sonames"])

@@ -43,9 +43,9 @@ from unbounded_nvidia_setup.plan import soname_problem
 
 import drivertables
 import elfbuild
+import elfmutate
 import realdriver
 import simgpu
-import stagingfuzz
 from conftest import Outcome, needs_root
 from realmachine import real_machine
 from test_realdriver import fetch
@@ -672,8 +672,8 @@ def test_library_rewritten_in_place_keeping_its_mtime(m: simgpu.SimMachine,
     cuda = m.lib_dir / f"libcuda.so.{m.version}"
     elfbuild.compile_so(cuda, "libcuda.so.1", size=8 << 20)
     data = cuda.read_bytes()
-    lay = stagingfuzz.layout(data)
-    entry = lay.first(stagingfuzz.DT_SONAME)
+    lay = elfmutate.layout(data)
+    entry = lay.first(elfmutate.DT_SONAME)
     assert entry is not None and lay.strtab is not None
     at = lay.strtab + entry.value
     assert data[at:at + 13] == b"libcuda.so.1\0"

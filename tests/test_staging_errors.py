@@ -23,6 +23,7 @@ import pytest
 from invariants import secure_after  # noqa: F401  (fixture)
 
 import elfbuild
+import elfmutate
 import simgpu
 import stagingfuzz
 from conftest import Cli, needs_root
@@ -122,9 +123,9 @@ def test_required_library_with_a_wrong_soname(live: simgpu.SimMachine, cli: Cli,
 
 
 @pytest.mark.parametrize("damage,what", [
-    (stagingfuzz.header("<H", 16, 2), "is ET_EXEC, not a shared library (ET_DYN)"),
-    (stagingfuzz.header("<H", 18, 183), "is a 64-bit aarch64 ELF file, not 64-bit x86_64"),
-    (stagingfuzz.header("<B", 4, 1), "is a 32-bit x86_64 ELF file, not 64-bit x86_64"),
+    (elfmutate.header("<H", 16, 2), "is ET_EXEC, not a shared library (ET_DYN)"),
+    (elfmutate.header("<H", 18, 183), "is a 64-bit aarch64 ELF file, not 64-bit x86_64"),
+    (elfmutate.header("<B", 4, 1), "is a 32-bit x86_64 ELF file, not 64-bit x86_64"),
     (lambda data: b"", "is not an ELF file"),
 ], ids=["ET_EXEC", "aarch64", "ELFCLASS32", "empty"])
 def test_required_library_that_is_no_shared_object_of_this_machine(
@@ -142,13 +143,13 @@ def test_required_library_that_is_no_shared_object_of_this_machine(
 
 
 @pytest.mark.parametrize("name,damage,what", [
-    ("libnvidia-cfg.so.{ver}", stagingfuzz.dynamic_field(32, 1 << 40),
+    ("libnvidia-cfg.so.{ver}", elfmutate.dynamic_field(32, 1 << 40),
      "dynamic segment at offset"),  # MemoryError
-    ("libnvidia-cfg.so.{ver}", stagingfuzz.dynamic_field(32, (1 << 64) - 1),
+    ("libnvidia-cfg.so.{ver}", elfmutate.dynamic_field(32, (1 << 64) - 1),
      "dynamic segment at offset"),  # OverflowError
-    ("libcuda.so.{ver}", stagingfuzz.header("<Q", 32, (1 << 64) - 1),
+    ("libcuda.so.{ver}", elfmutate.header("<Q", 32, (1 << 64) - 1),
      "program header table at offset 18446744073709551615"),  # ValueError from seek
-    ("vdpau/libvdpau_nvidia.so.{ver}", lambda data: stagingfuzz.soname_value(data, 1 << 63),
+    ("vdpau/libvdpau_nvidia.so.{ver}", lambda data: elfmutate.soname_value(data, 1 << 63),
      "DT_SONAME string at offset"),  # ValueError from seek
 ], ids=["dynamic-size-2**40", "dynamic-size-2**64-1", "phoff-2**64-1", "soname-offset-2**63"])
 def test_header_offsets_past_the_file(live: simgpu.SimMachine, cli: Cli, name: str,
