@@ -108,22 +108,25 @@ def is_populated(directory: Path) -> bool:
         return False
 
 
-def resolve_within(root: Path, base: Path, relative: str) -> Path | None:
-    """Resolve `base/relative` as the kernel would, with absolute link targets taken under
-    `root`. None when it dangles, loops, or ends outside `base` (a link escaping its
-    staging dir is ignored). Uses only lstat and readlink: nothing is opened."""
-    parts = deque(relative.split("/"))
-    current = base
-    hops = 0
+def resolve_in(root: str, start: str, path: str) -> str | None:
+    """`start/path` resolved as the kernel would in a chroot at `root` (`start` lies under
+    it): absolute link targets start again at `root`, `..` stops there. None when it
+    dangles or loops. Uses only lstat and readlink: nothing is opened. Plain strings, not
+    pathlib: this runs for every staged name and, through ldsoconf, for every directory of
+    the linker's search order on every boot, and pathlib's cost per component was most of
+    that time."""
+    top = root.rstrip("/")
+    parts = deque(path.split("/"))
+    current, hops = start.rstrip("/"), 0
     while parts:
         part = parts.popleft()
         if part in ("", "."):
             continue
         if part == "..":
-            if current != root:
-                current = current.parent
+            if current != top:
+                current = current.rsplit("/", 1)[0]
             continue
-        candidate = current / part
+        candidate = f"{current}/{part}"
         try:
             st = os.lstat(candidate)
         except OSError:
@@ -134,13 +137,22 @@ def resolve_within(root: Path, base: Path, relative: str) -> Path | None:
                 return None
             target = os.readlink(candidate)
             if target.startswith("/"):
-                current = root
+                current = top
             parts.extendleft(reversed(target.split("/")))
             continue
         if parts and not stat.S_ISDIR(st.st_mode):
             return None
         current = candidate
-    return current if current.is_relative_to(base) and current != base else None
+    return current or "/"
+
+
+def resolve_within(root: Path, base: Path, relative: str) -> Path | None:
+    """`base/relative` resolved with absolute link targets taken under `root`
+    (:func:`resolve_in`). None when it dangles, loops, or ends outside `base`: a link
+    escaping its staging dir is ignored."""
+    found = resolve_in(str(root), str(base), relative)
+    inside = str(base).rstrip("/") + "/"
+    return Path(found) if found is not None and found.startswith(inside) else None
 
 
 @dataclass(frozen=True)

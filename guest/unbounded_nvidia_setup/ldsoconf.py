@@ -23,13 +23,12 @@ import glob
 import os
 import posixpath
 import stat
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import LDCONF_DROPIN, Machine
-from .discover import open_regular
+from .discover import open_regular, resolve_in
 from .elf import CorruptElf, read_elf
 from .ldconf import driver_libdir, dropin_text
 from .spec import Problem
@@ -39,7 +38,6 @@ CONF = "/etc/ld.so.conf"
 # memory); real configurations nest one or two deep.
 _MAX_DEPTH = 8
 _MAX_CONF = 1 << 20
-_MAX_LINKS = 40  # the kernel's limit
 _SPACE = " \t\n\v\f\r"  # C isspace
 _BLANKS = (" ", "\t")  # C isblank
 
@@ -108,38 +106,8 @@ def glob_matches(path: str, pattern: str) -> bool:
 
 def resolve(root: str, path: str) -> str | None:
     """`path` (as the machine sees it) resolved as the kernel would in a chroot at `root`,
-    as ldconfig -r does: absolute link targets start again at `root`, `..` stops there.
-    None when it dangles or loops. discover.resolve_within's rule on plain strings: this
-    runs for every conf file and directory on every boot, and pathlib's cost per
-    component was most of the search order's."""
-    base = root.rstrip("/")
-    parts = deque(path.split("/"))
-    current, hops = base, 0
-    while parts:
-        part = parts.popleft()
-        if part in ("", "."):
-            continue
-        if part == "..":
-            current = current.rsplit("/", 1)[0] if current != base else base
-            continue
-        candidate = f"{current}/{part}"
-        try:
-            st = os.lstat(candidate)
-        except OSError:
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            hops += 1
-            if hops > _MAX_LINKS:
-                return None
-            target = os.readlink(candidate)
-            if target.startswith("/"):
-                current = base
-            parts.extendleft(reversed(target.split("/")))
-            continue
-        if parts and not stat.S_ISDIR(st.st_mode):
-            return None
-        current = candidate
-    return current or "/"
+    as ldconfig -r does. None when it dangles or loops."""
+    return resolve_in(root, root, path)
 
 
 def _read(machine: Machine, path: str) -> str | None:
