@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 from .discover import HELPERS, VDPAU, is_library_name, open_regular
-from .elf import CorruptElf, read_elf
+from .elf import CorruptElf, ElfInfo, read_elf
 from .plan import (
     ACTIVE_LINKS,
     EXECUTABLE_MODE,
@@ -63,16 +63,21 @@ def library_sonames(directory: Path) -> dict[str, str | None]:
         return result
     for name in names:
         try:
-            fd = open_regular(directory / name)
+            info = elf_at(directory / name)
         except (OSError, ValueError):
             continue
-        with os.fdopen(fd, "rb", buffering=4096) as f:
-            try:
-                info = read_elf(f)
-            except CorruptElf:
-                info = None
         result[name] = info.soname if info else None
     return result
+
+
+def elf_at(path: Path) -> ElfInfo | None:
+    """The ELF header of the regular file at `path` (None: not ELF, or damaged). Raises
+    OSError or ValueError when it is no regular file (open_regular)."""
+    with os.fdopen(open_regular(path), "rb", buffering=4096) as f:
+        try:
+            return read_elf(f)
+        except CorruptElf:
+            return None
 
 
 def changed_copies(plan: Plan, new: Path) -> list[Path]:
@@ -82,15 +87,10 @@ def changed_copies(plan: Plan, new: Path) -> list[Path]:
     changed = []
     for planned in plan.files:
         try:
-            fd = open_regular(new / planned.dest)
+            info = elf_at(new / planned.dest)
         except (OSError, ValueError):
             changed.append(planned.source.staged.path)
             continue
-        with os.fdopen(fd, "rb", buffering=4096) as f:
-            try:
-                info = read_elf(f)
-            except CorruptElf:
-                info = None
         if info != planned.source.elf:
             changed.append(planned.source.staged.path)
     return changed
