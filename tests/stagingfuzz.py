@@ -202,15 +202,23 @@ def file_case(target: str, mutation: str, act: Action) -> Case:
     return Case(target, mutation, act)
 
 
-def _copy_as(target: str, new: str) -> Action:
+def _renamed(target: str, new: str, *, keep: bool) -> Action:
+    """`target` under the name `new`: a copy beside it (`keep`) or the file moved."""
     def act(lib: Path, ctx: Context) -> None:
         dest = lib / new.format(ver=ctx.version)
         if dest == lib / target:
             raise NotApplicable(f"{target} already has that name")
         if os.path.lexists(dest):
             dest.unlink()
-        shutil.copyfile(lib / target, dest)
+        if keep:
+            shutil.copyfile(lib / target, dest)
+        else:
+            os.rename(lib / target, dest)
     return act
+
+
+def _copy_as(target: str, new: str) -> Action:
+    return _renamed(target, new, keep=True)
 
 
 def _copy_changed(target: str, new: str, change: Callable[[bytes], bytes | None]) -> Action:
@@ -227,14 +235,7 @@ def _copy_changed(target: str, new: str, change: Callable[[bytes], bytes | None]
 
 
 def _move_to(target: str, new: str) -> Action:
-    def act(lib: Path, ctx: Context) -> None:
-        dest = lib / new.format(ver=ctx.version)
-        if dest == lib / target:
-            raise NotApplicable(f"{target} already has that name")
-        if os.path.lexists(dest):
-            dest.unlink()
-        os.rename(lib / target, dest)
-    return act
+    return _renamed(target, new, keep=False)
 
 
 def _relink(name: str, to: str) -> Action:

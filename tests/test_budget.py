@@ -29,6 +29,7 @@ from invariants import (
     product_env,
     secure_after,  # noqa: F401  (fixture)
 )
+from test_branches import release
 from test_resources import processes_under
 from unbounded_nvidia_setup import budget, ldconf, metrics
 from unbounded_nvidia_setup.budget import Budget, Limit, cap
@@ -313,13 +314,6 @@ def held_lock(live: simgpu.SimMachine) -> Iterator[subprocess.Popen[str]]:
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     yield proc
     release(proc)
-
-
-def release(proc: subprocess.Popen[str]) -> None:
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None and not pipe.closed:
-            pipe.close()
-    proc.wait(timeout=30)
 
 
 @on_a_machine
