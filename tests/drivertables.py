@@ -176,3 +176,8 @@ TOOLKIT_LIBS: tuple[tuple[str, str], ...] = (
     ("libnvidia-container.so.1.17.8", "libnvidia-container.so.1"),
     ("libnvidia-container-go.so.1.17.8", "libnvidia-container-go.so.1"),
 )
+
+# The names the older agent's SetupNVIDIA linked into /usr/lib/<multiarch> (every driver
+# library of the staging, by prefix).
+PREFIXES = ("libcuda", "libnvidia-", "libnvcuvid", "libnvoptix", "libEGL_nvidia",
+            "libGLX_nvidia", "libGLESv1_CM_nvidia", "libGLESv2_nvidia", "libvdpau_nvidia")

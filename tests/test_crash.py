@@ -236,13 +236,15 @@ def swapper(tmp_path: Path, real: realdriver.RealDriver | None = None) -> Swappe
 
 
 def first_boot(m: simgpu.SimMachine) -> None:
-    """What a fresh machine has: no driver root, no spec, no drop-in, no linker cache."""
+    """What a fresh machine has: no driver root, no spec, no drop-in, no linker cache;
+    Debian's own conf files stay."""
     for path in (m.root / "run/nvidia", m.root / "run/unbounded-nvidia-setup"):
         shutil.rmtree(path, ignore_errors=True)
     for directory in (m.root / "etc/cdi", m.root / "etc/ld.so.conf.d"):
         if directory.exists():
             for entry in directory.iterdir():
-                entry.unlink()
+                if entry.name not in ("libc.conf", f"{m.multiarch}.conf"):
+                    entry.unlink()
     for path in (m.root / "etc/ld.so.cache",):
         if path.exists():
             path.unlink()
@@ -497,7 +499,8 @@ def recovered(s: Swapper, version: str) -> None:
     assert os.listdir(root_of(m).parent) == ["driver"]
     assert not os.path.lexists(m.root / "run/unbounded-nvidia-setup")
     assert os.listdir(m.root / "etc/cdi") == ["nvidia.yaml"]
-    assert os.listdir(m.root / "etc/ld.so.conf.d") == ["unbounded-nvidia-setup.conf"]
+    assert sorted(os.listdir(m.root / "etc/ld.so.conf.d")) == [  # Debian's, and ours
+        "libc.conf", "unbounded-nvidia-setup.conf", "x86_64-linux-gnu.conf"]
     assert os.listdir(metrics_of(m).parent) == [metrics.FILE]
     assert_metrics_whole(s)
 

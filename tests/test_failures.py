@@ -210,7 +210,6 @@ def test_libnvidia_ml_without_nvml_keeps_the_previous_root_and_spec(
 
 def test_failing_nvidia_ctk_on_first_boot_leaves_nothing(m: simgpu.SimMachine,
                                                          cli: Cli) -> None:
-    (m.root / "dev/nvidia-uvm").unlink()
     m.write_config(nvidia_ctk_args=["--mode=bogus"])
     fails_cleanly(cli, m, 1, "nvidia-ctk cdi generate failed")
     assert not os.path.lexists(root_of(m))

@@ -17,6 +17,7 @@ from invariants import (
 from unbounded_nvidia_setup.elf import read_elf
 
 import realdriver
+import simgpu
 from conftest import Cli, needs_root
 from realmachine import real_machine
 from test_run import check_json, load_spec, mounts, plugin_view, root_of
@@ -84,7 +85,7 @@ def test_real_aarch64_driver_on_an_aarch64_machine(tmp_path: Path, cli: Cli,
     the real arm64 ldconfig (under qemu) resolves every SONAME of it: `check` is clean."""
     drv = fetch("arm64")
     m = real_machine(tmp_path, drv)
-    (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
+    simgpu.debian_linker_files(m.root, "aarch64-linux-gnu")  # Debian's arm64 conf files
     m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr

@@ -40,6 +40,7 @@ KUBELET = "kubelet.service"
 NODE_UNITS = (SETUP, CONTAINERD, KUBELET)
 SERVICES_LOG = rootfs.SERVICES_LOG
 GUEST_PROC_DRIVER = "/var/lib/unbounded-nvidia-setup-tests/proc-driver"
+GUEST_PROC_DEVICES = "/var/lib/unbounded-nvidia-setup-tests/proc-devices"
 PACKAGE = "unbounded-nvidia-setup"
 MAKE_TIMEOUT = 600.0
 DPKG_TIMEOUT = 180.0
@@ -142,6 +143,8 @@ class Node:
     staging: dict[str, Path] = field(default_factory=dict)
     # bind the simulated /proc/driver (kernel module version) over the guest's
     proc_driver: bool = False
+    # bind the simulated /proc/devices (the GPU host kernel's majors) over the guest's
+    proc_devices: bool = False
     machines: list[Machine] = field(default_factory=list)
 
     def binds(self) -> list[Bind]:
@@ -153,6 +156,10 @@ class Node:
             # sees it. nspawn applies binds below /proc after entering the guest's root,
             # so the source is a path in the rootfs (a host path fails: "Failed to stat").
             out.append(Bind(Path(GUEST_PROC_DRIVER), "/proc/driver", read_only=True))
+        if self.proc_devices:
+            # This host has no NVIDIA kernel driver: its /proc/devices, which a machine
+            # reads unnamespaced, has no nvidia lines. A GPU host's has (FACTS.md).
+            out.append(Bind(Path(GUEST_PROC_DEVICES), "/proc/devices", read_only=True))
         return out
 
     def machine(self) -> Machine:
@@ -215,6 +222,8 @@ simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
             if (host / "proc/driver").is_dir():
                 shutil.copytree(host / "proc/driver", root / GUEST_PROC_DRIVER.lstrip("/"))
                 node.proc_driver = True
+            shutil.copyfile(host / "proc/devices", root / GUEST_PROC_DEVICES.lstrip("/"))
+            node.proc_devices = True
     except BaseException:
         rootfs.remove_rootfs(root)
         raise
