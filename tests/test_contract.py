@@ -92,7 +92,16 @@ def test_no_gpu_is_no_gpu(tmp_path: Path, cli: Cli) -> None:
 def test_no_gpu_with_stale_state_is_broken(live: simgpu.SimMachine, cli: Cli) -> None:
     for dev in (live.root / "dev").glob("nvidia*"):
         dev.unlink()
+    shutil.rmtree(live.root / "run/host-nvidia")  # the GPU went, and its staging with it
     assert verdict(cli, live) == ("broken", {"stale-state"})
+
+
+def test_staging_without_devices_is_not_ready_yet(live: simgpu.SimMachine, cli: Cli) -> None:
+    """The host staged the driver but its devices did not arrive (a kernel update broke
+    the nvidia module): not a CPU node, and nothing of the state goes."""
+    for dev in (live.root / "dev").glob("nvidia*"):
+        dev.unlink()
+    assert verdict(cli, live) == ("not-ready-yet", {"devices-not-bound"})
 
 
 @pytest.mark.parametrize("tamper", ["library", "spec"])

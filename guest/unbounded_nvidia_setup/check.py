@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import discover, driver, ldconf, ldsoconf, tree
+from . import devices, discover, driver, ldconf, ldsoconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, Manifest
@@ -20,7 +20,7 @@ UNIT = "unbounded-nvidia-setup.service"
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
 VERDICTS = (READY, NO_GPU, NOT_READY_YET, BROKEN)
 # Problems that mean "the host has not staged the driver yet", not "something broke".
-_WAITING_CODES = frozenset({"staging-missing"})
+_WAITING_CODES = frozenset({"staging-missing", "devices-not-bound"})
 
 
 @dataclass
@@ -211,13 +211,13 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
                                      kind=None, version=version)
 
 
-def _check_ldcache(machine: Machine, report: Report,
-                   sonames: dict[str, str | None] | None) -> None:
+def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | None] | None,
+                   leftovers: list[Path]) -> None:
     """The search order first: a directory ahead of the driver root's is why the cache
     resolves a SONAME elsewhere, and it is found without a root too (after a first
     boot's rollback), for the SONAMEs every root has (libcuda.so.1, libnvidia-ml.so.1)."""
     present = ACTIVE_LINKS if sonames is None else {s for s in sonames.values() if s}
-    report.problems += ldsoconf.problems(machine, present)
+    report.problems += ldsoconf.problems(machine, present, leftovers)
     if sonames is not None:
         report.problems += ldconf.cache_problems(machine, sonames)
 
@@ -229,11 +229,23 @@ def collect(machine: Machine, want: Manifest | None = None) -> Report:
     gpu = discover.has_gpu(machine)
     report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine))
     if not gpu:
+        try:
+            staged = discover.populated_staging(machine)
+        except Failure as e:
+            staged, report.problems = [], [Problem("staging-invalid", e.message,
+                                                   machine.staging_parent)]
+        if staged:  # a GPU node whose devices did not arrive: its state is kept
+            report.problems.append(Problem(
+                "devices-not-bound", f"driver staging is mounted ({staged[0]}) but no NVIDIA "
+                "device node is: the host's nvidia module did not load or its devices were "
+                "not bound", str(machine.at("/dev"))))
+            return report
         for path in (machine.driver_root, machine.cdi_spec, machine.ldconf_dropin):
             if os.path.lexists(path):
                 report.problems.append(Problem("stale-state", f"no NVIDIA GPU, but {path} "
                                                "exists", str(path)))
         return report
+    report.problems += devices.problems(machine)
     version, sonames = _check_root(machine, report, want)
     report.driver_version = version
     dropin = ldconf.dropin_text(machine)
@@ -245,10 +257,11 @@ def collect(machine: Machine, want: Manifest | None = None) -> Report:
         report.problems.append(Problem("ldconf-missing", f"{machine.ldconf_dropin} is missing "
                                        "or does not name the driver root",
                                        str(machine.ldconf_dropin)))
-    for link in ldconf.legacy_links(machine):
-        report.problems.append(Problem("legacy-link", f"{link} points into the staging mounts",
-                                       str(link)))
-    _check_ldcache(machine, report, sonames)
+    leftovers = ldconf.legacy_links(machine)
+    for link in leftovers:
+        report.problems.append(Problem("legacy-link", f"{link} leads into the staging mounts "
+                                       "(an older agent's link)", str(link)))
+    _check_ldcache(machine, report, sonames, leftovers)
     _check_spec(machine, report, version)
     if want is None:
         _check_plugin_spec(machine, report, version)

@@ -108,6 +108,11 @@ def is_populated(directory: Path) -> bool:
         return False
 
 
+def populated_staging(machine: Machine) -> list[Path]:
+    """The staging dirs that hold anything: a host that mounted these meant a GPU node."""
+    return [d for d in staging_dirs(machine) if is_populated(d)]
+
+
 def resolve_in(root: str, start: str, path: str) -> str | None:
     """`start/path` resolved as the kernel would in a chroot at `root` (`start` lies under
     it): absolute link targets start again at `root`, `..` stops there. None when it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import stat
 from pathlib import Path
@@ -72,19 +73,57 @@ def install_dropin(machine: Machine) -> None:
         die(f"cannot write {path}: {e.strerror}", hint="/etc must be writable for root")
 
 
+def system_libdirs(machine: Machine) -> list[str]:
+    """The library directories a package or an older agent writes to, as the machine sees
+    them: Debian's libc.conf and <multiarch>.conf lines, then ldconfig's built-in ones."""
+    ma = machine.multiarch
+    return [f"/usr/lib/{ma}", f"/lib/{ma}", f"/usr/local/lib/{ma}", "/usr/local/lib",
+            "/usr/lib", "/lib", "/usr/lib64", "/lib64"]
+
+
+_MAX_HOPS = 8
+
+
+def _leads_into(directory: str, links: dict[str, str], name: str, prefix: str) -> bool:
+    """Whether link `name` of `directory` (machine path; `links`: its links, name -> target)
+    leads into `prefix`, directly or through other links beside it (a SONAME link that an
+    older agent's ldconfig pointed at its link into the staging). Targets are read, never
+    followed on disk: the staging may not be mounted, and then every such link dangles."""
+    for _ in range(_MAX_HOPS):
+        target = posixpath.normpath(posixpath.join(directory, links[name]))
+        if target.startswith(prefix):
+            return True
+        if posixpath.dirname(target) != directory or posixpath.basename(target) not in links:
+            return False
+        name = posixpath.basename(target)
+    return False
+
+
 def legacy_links(machine: Machine) -> list[Path]:
-    """Older agents linked driver files into /usr/lib/<multiarch> pointing at the staging
-    mounts; those links shadow the driver root and dangle wherever staging is hidden."""
-    directory = machine.at(f"/usr/lib/{machine.multiarch}")
+    """Links an older agent left in the system library dirs: links into the staging
+    mounts, and the SONAME links beside them that lead to those. They are never a driver
+    file of this tool's root; they dangle wherever the staging is hidden, and in a
+    directory searched before the drop-in (Debian's aarch64-linux-gnu.conf sorts first)
+    they shadow the driver root."""
     prefix = machine.staging_parent.rstrip("/") + "/"
-    found = []
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.is_symlink() and os.readlink(entry.path).startswith(prefix):
-                    found.append(Path(entry.path))
-    except OSError:
-        pass
+    found: list[Path] = []
+    seen: set[str] = set()
+    for directory in system_libdirs(machine):
+        path = machine.at(directory)
+        real = os.path.realpath(path)
+        if real in seen:  # merged /usr: /lib/<multiarch> is /usr/lib/<multiarch>
+            continue
+        seen.add(real)
+        links: dict[str, str] = {}
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        links[entry.name] = os.readlink(entry.path)
+        except OSError:
+            continue
+        found += [path / name for name in sorted(links)
+                  if _leads_into(directory, links, name, prefix)]
     return found
 
 
@@ -96,7 +135,7 @@ def remove_legacy_links(machine: Machine) -> None:
             continue
         except OSError as e:
             die(f"cannot remove legacy link {path}: {e.strerror}", hint="remove it by hand")
-        log.info(f"removed legacy link {path} (pointed into {machine.staging_parent})")
+        log.info(f"removed legacy link {path} (led into {machine.staging_parent})")
 
 
 def start_ldconfig(machine: Machine, *, rollback: bool = False) -> Started:

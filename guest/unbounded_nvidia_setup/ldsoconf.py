@@ -57,6 +57,7 @@ class Shadow:
 
     where: ConfDir
     sonames: tuple[str, ...]
+    directory: str  # `where.path` resolved, as the machine sees it (merged /usr: /usr/lib/...)
 
 
 def parse_line(line: str) -> tuple[str, list[str]] | None:
@@ -196,11 +197,15 @@ def _holds(machine: Machine, directory: str, soname: str) -> bool:
             and info.soname == soname)
 
 
-def shadows(machine: Machine, sonames: Iterable[str]) -> list[Shadow]:
+def shadows(machine: Machine, sonames: Iterable[str],
+            leftovers: Iterable[Path] = ()) -> list[Shadow]:
     """Directories searched before the driver root's that hold any of `sonames` (the
     driver root's SONAMEs). Empty when the driver root is not in the search order at
-    all: then nothing comes before it (the linker cache check says it is missing)."""
+    all: then nothing comes before it (the linker cache check says it is missing).
+    `leftovers`, an older agent's links (ldconf.legacy_links), are no package's copies:
+    `run` removes them and `check` names them as such."""
     wanted = sorted(set(sonames))
+    skip = {os.path.join(os.path.realpath(p.parent), p.name) for p in leftovers}
     driver, _ = _locate(machine, driver_libdir(machine))
     found: list[Shadow] = []
     for located in _ordered(machine):
@@ -208,20 +213,41 @@ def shadows(machine: Machine, sonames: Iterable[str]) -> list[Shadow]:
             return found
         if located.real is None:
             continue
-        held = tuple(s for s in wanted if _holds(machine, located.real, s))
+        canonical = os.path.realpath(located.real) if skip else located.real
+        held = tuple(s for s in wanted if f"{canonical}/{s}" not in skip
+                     and _holds(machine, located.real, s))
         if held:
-            found.append(Shadow(located.entry, held))
+            real = posixpath.normpath("/" + os.path.relpath(located.real, machine.root))
+            found.append(Shadow(located.entry, held, real))
     return []
 
 
+def first_copy(shadow: Shadow) -> str:
+    """The shadowing file as the machine sees it, by its directory's own path (where a
+    package puts it; `/lib` is a link to `usr/lib`): what `dpkg -S` is asked about."""
+    return f"{shadow.directory}/{shadow.sonames[0]}"
+
+
 def describe(machine: Machine, shadow: Shadow) -> str:
-    names = ", ".join(shadow.sonames[:3]) + (
-        f" (and {len(shadow.sonames) - 3} more)" if len(shadow.sonames) > 3 else "")
-    return (f"{machine.at(shadow.where.conf)} line {shadow.where.line} names "
-            f"{shadow.where.path}, which the linker searches before the driver root's "
-            f"{driver_libdir(machine)}, and it holds other copies of {names}")
+    """The copy first, then where the search order takes it from. It never says to
+    remove the conf file: Debian's own <multiarch>.conf names the machine's libraries."""
+    others = shadow.sonames[1:]
+    names = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return (f"{machine.at(first_copy(shadow))} is another copy of {shadow.sonames[0]}"
+            + (f" (with {names})" if others else "")
+            + f", in {shadow.where.path}, which {machine.at(shadow.where.conf)} line "
+              f"{shadow.where.line} puts before the driver root's {driver_libdir(machine)} "
+              "in the linker's search order")
 
 
-def problems(machine: Machine, sonames: Iterable[str]) -> list[Problem]:
-    return [Problem("ldcache-shadowed", describe(machine, s), str(machine.at(s.where.conf)))
-            for s in shadows(machine, sonames)]
+def todo(shadow: Shadow) -> str:
+    copy = first_copy(shadow)
+    return (f"find the package that installed it (`dpkg -S {copy}`) and remove that "
+            "package, or the file if no package owns it (pods get the driver's libraries "
+            "through CDI, not from this machine's linker)")
+
+
+def problems(machine: Machine, sonames: Iterable[str],
+             leftovers: Iterable[Path] = ()) -> list[Problem]:
+    return [Problem("ldcache-shadowed", describe(machine, s), str(machine.at(first_copy(s))))
+            for s in shadows(machine, sonames, leftovers)]

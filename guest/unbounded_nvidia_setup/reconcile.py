@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import cdi, discover, driver, ldconf, ldsoconf, log, tree
+from . import cdi, devices, discover, driver, ldconf, ldsoconf, log, tree
 from .config import Machine
 from .lock import locked
-from .log import EXIT_TEMPFAIL, Failure, die
+from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
 from .metrics import RunRecord
 from .plan import Manifest, Plan
 from .run import find_program
 from .verify import changed_copies, root_problems
+
+if TYPE_CHECKING:
+    from .check import Report
 
 # Programs that hold the driver root open in pods: swapping under them is refused.
 CONSUMERS = ("containerd", "kubelet")
@@ -112,6 +116,7 @@ def reconcile(machine: Machine, *, force: bool = False,
 def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     log.status("Looking for NVIDIA devices")
     if not discover.has_gpu(machine):
+        _refuse_if_staged_without_devices(machine, record)
         try:
             removed = remove_state(machine)
         except OSError as e:
@@ -123,6 +128,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
                    + (f" (removed {len(removed)} stale items)" if removed else ""))
         return
 
+    _refuse_unless_devices(machine, record)
     # nvidia-ctk and ldconfig are found before anything live changes.
     with cdi.Generator(machine) as generator:
         find_program(machine.config.ldconfig, "ldconfig")
@@ -144,7 +150,6 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             # is already there.
             undo.new_dropin = not machine.ldconf_dropin.exists()
             ldconf.install_dropin(machine)
-            ldconf.remove_legacy_links(machine)
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
@@ -159,6 +164,41 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
         log.info(f"driver root {live} now holds driver {plan.version}")
     log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
                f"spec {machine.cdi_spec}")
+
+
+def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:
+    """The host agent mounts the staging only after discovering the GPU, devices and
+    driver together: staging without a device node is a GPU node whose devices did not
+    arrive (a kernel update broke the module), not a CPU node. Nothing is removed."""
+    staged = discover.populated_staging(machine)
+    if not staged:
+        return
+    record.report, record.checked_at = _collect(machine), time.time()
+    die(f"driver staging is mounted ({staged[0]}) but no NVIDIA device node is "
+        "(/dev/nvidiactl, /dev/nvidia<N>): the host's nvidia module did not load or its "
+        "devices were not bound into the machine",
+        hint="on the host, check `nvidia-smi` and the kernel log, then bind /dev/nvidia* "
+             "into the machine; nothing was changed; systemd retries", code=EXIT_TEMPFAIL)
+
+
+def _refuse_unless_devices(machine: Machine, record: RunRecord, *,
+                           code: int = EXIT_TEMPFAIL) -> None:
+    """A GPU node without the nodes CUDA needs, or with nodes of a module that is no
+    longer loaded, would be Ready with every CUDA pod failing: refuse, changing nothing."""
+    found = devices.findings(machine)
+    if not found:
+        return
+    record.report, record.checked_at = _collect(machine), time.time()
+    (first, todo), more = found[0], len(found) - 1
+    die(first.message + (f" (and {more} more)" if more else ""), hint=todo, code=code)
+
+
+def _collect(machine: Machine) -> Report:
+    """What `check` sees now, for the metrics of a run that refused having changed
+    nothing, so they name the cause while systemd retries."""
+    from .check import collect
+
+    return collect(machine)
 
 
 RESTART_HINT = ("run `systemctl restart unbounded-nvidia-setup` instead (it stops kubelet and "
@@ -178,6 +218,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
     live = machine.driver_root
     if not discover.has_gpu(machine):
         die("no NVIDIA GPU in this machine: there is no spec to refresh", hint=RESTART_HINT)
+    _refuse_unless_devices(machine, record, code=EXIT_FAILED)
     module = discover.module_version(machine)
     dirs = discover.staging_dirs(machine)
     if not dirs or not all(discover.is_populated(d) for d in dirs):
@@ -277,6 +318,11 @@ def _resolve_and_build(machine: Machine, force: bool,
     dirs = wait_for_staging(machine)
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
     plan = driver.resolve(machine, dirs, module)
+    # Before the search order is judged: an older agent's links into the staging are
+    # never ours to keep, and in a directory searched before the drop-in (Debian's
+    # aarch64-linux-gnu.conf) they would be taken for a package's copies of the driver
+    # (docs/architecture.md, "The older agent's leftovers").
+    ldconf.remove_legacy_links(machine)
     _refuse_if_shadowed(machine, plan, record)
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
@@ -288,9 +334,6 @@ def _resolve_and_build(machine: Machine, force: bool,
     return plan, want, _build(machine, plan, want, force)
 
 
-SHADOW_HINT = ("remove that file or its line (pods get the driver's libraries through CDI, "
-               "not from this machine's linker); nothing was changed, and the unit's next "
-               "retry succeeds once it is gone")
 
 
 def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None:
@@ -302,12 +345,11 @@ def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None
     shadows = ldsoconf.shadows(machine, plan.sonames(machine.libdir))
     if not shadows:
         return
-    from .check import collect
-
-    record.report, record.checked_at = collect(machine), time.time()
+    record.report, record.checked_at = _collect(machine), time.time()
     more = len(shadows) - 1
     die(ldsoconf.describe(machine, shadows[0]) + (f" (and {more} more)" if more else ""),
-        hint=SHADOW_HINT)
+        hint=ldsoconf.todo(shadows[0]) + "; the driver root and spec were left as they "
+             "were, and the unit's next retry succeeds once it is gone")
 
 
 def _refuse_if_out_of_time(machine: Machine, new: Path) -> None:

@@ -1,0 +1,190 @@
+"""The device nodes CUDA needs, and whether each belongs to an NVIDIA module loaded now.
+
+A GPU is present when /dev/nvidiactl or a /dev/nvidia<N> is a character device (DESIGN
+step 2). CUDA then also opens /dev/nvidia-uvm, which hosts often load on demand, so a
+machine started before it was loaded has none. Every node's major must be its driver's:
+nvidiactl, nvidia<N> and nvidia-modeset use the fixed major 195, registered as
+"nvidia-frontend" up to 535 and as "nvidia", "nvidiactl" and "nvidia-modeset" since 545
+(so only the number is compared); nvidia-uvm, nvidia-caps and nvidia-caps-imex-channels get dynamic
+majors that /proc/devices names, as do nvidia-nvswitch and nvidia-nvlink
+(docs/staging-contract.md cites the sources). A node
+bound into the machine before a module reload keeps the old major, and CUDA in pods then
+fails with error 999 (NVIDIA/nvidia-container-toolkit#1934); a node whose driver has no
+line in /proc/devices belongs to a module that is not loaded. /proc/devices is not
+namespaced: the machine reads the host kernel's table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+from .config import Machine
+from .spec import Problem
+
+FIXED_MAJOR = 195  # NV_MAJOR_DEVICE_NUMBER
+UVM = "nvidia-uvm"
+PROC_DEVICES = "/proc/devices"
+_FIXED = re.compile(r"nvidia(\d+|ctl|-modeset)")
+_GPU = re.compile(r"nvidia(\d+|ctl)")
+# Directories of nodes with dynamic majors, and the name their driver registers.
+_DIRS = {"nvidia-caps": "nvidia-caps",
+         "nvidia-caps-imex-channels": "nvidia-caps-imex-channels"}
+# Nodes with dynamic majors directly under /dev, by the name their driver registers:
+# /dev/nvidia-uvm and -uvm-tools, /dev/nvidia-nvswitch<N> and -nvswitchctl,
+# /dev/nvidia-nvlink.
+_DYNAMIC = (UVM, "nvidia-nvswitch", "nvidia-nvlink")
+_LINE = re.compile(r" *(\d+) (\S.*)")
+_MAX_PROC_DEVICES = 1 << 16
+
+LOAD_UVM = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`) and bind /dev/nvidia-uvm "
+            "and /dev/nvidia-uvm-tools into the machine; systemd retries")
+BIND = "on the host, bind the NVIDIA device nodes into the machine; systemd retries"
+RESTART_MACHINE = ("restart the machine from the host (systemd-nspawn@<machine>), which binds "
+                   "the nodes of the modules loaded now; systemd retries")
+LOAD_UVM_AND_RESTART = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`), then restart "
+                        "the machine (systemd-nspawn@<machine>); systemd retries")
+
+
+@dataclass(frozen=True)
+class Node:
+    """An NVIDIA character device node under /dev, as the machine sees it."""
+
+    path: str  # e.g. /dev/nvidia-uvm
+    major: int
+    minor: int
+
+
+def parse(text: str) -> dict[int, set[str]] | None:
+    """The character-device section of /proc/devices as the kernel writes it
+    (fs/proc/devices.c: "Character devices:", then "%3d %s" lines, a blank line, "Block
+    devices:"): major -> names. None when it does not read that way."""
+    lines = text.split("\n")
+    if not lines or lines[0] != "Character devices:":
+        return None
+    majors: dict[int, set[str]] = {}
+    for number, line in enumerate(lines[1:], 1):
+        if not line:  # the block devices follow, or the text was cut short
+            return majors if lines[number + 1:number + 2] == ["Block devices:"] else None
+        m = _LINE.fullmatch(line)
+        if m is None:
+            return None
+        majors.setdefault(int(m.group(1)), set()).add(m.group(2))
+    return None
+
+
+def read_majors(machine: Machine) -> dict[int, set[str]] | str:
+    """/proc/devices' character majors, or why they cannot be read."""
+    path = machine.at(PROC_DEVICES)
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_MAX_PROC_DEVICES).decode(errors="replace")
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror}"
+    majors = parse(text)
+    return majors if majors is not None else f"{path} does not read as the kernel writes it"
+
+
+def _char(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.major(st.st_rdev), os.minor(st.st_rdev)) if stat.S_ISCHR(st.st_mode) else None
+
+
+def find_nodes(machine: Machine) -> tuple[list[Node], list[str]]:
+    """(NVIDIA character nodes under /dev and its nvidia-caps* dirs, names under /dev that
+    look like one but are not a character device)."""
+    dev = str(machine.at("/dev"))
+    nodes: list[Node] = []
+    odd: list[str] = []
+    try:
+        names = sorted(os.listdir(dev))
+    except OSError:
+        return [], []
+    for name in names:
+        if not name.startswith("nvidia"):
+            continue
+        if name in _DIRS:
+            try:
+                inner = sorted(os.listdir(f"{dev}/{name}"))
+            except OSError:
+                continue
+            for sub in inner:
+                found = _char(f"{dev}/{name}/{sub}")
+                if found:
+                    nodes.append(Node(f"/dev/{name}/{sub}", *found))
+            continue
+        found = _char(f"{dev}/{name}")
+        if found:
+            nodes.append(Node(f"/dev/{name}", *found))
+        elif _FIXED.fullmatch(name) or name.startswith(_DYNAMIC):
+            odd.append(f"/dev/{name}")
+    return nodes, odd
+
+
+def _driver(node: Node) -> str | None:
+    """The /proc/devices name of the node's driver; None for the fixed major."""
+    name = node.path.split("/")[2]
+    if name in _DIRS:
+        return _DIRS[name]
+    for prefix in _DYNAMIC:
+        if name.startswith(prefix):
+            return prefix
+    return None
+
+
+def findings(machine: Machine) -> list[tuple[Problem, str]]:
+    """On a machine with a GPU: the nodes CUDA needs that are missing, and every NVIDIA
+    node whose major is not the one its driver has now; each with what to do on the host."""
+    nodes, odd = find_nodes(machine)
+    have = {n.path for n in nodes}
+    found: list[tuple[Problem, str]] = []
+
+    def missing(path: str, what: str, todo: str) -> None:
+        found.append((Problem("device-missing", what, str(machine.at(path))), todo))
+
+    for path in odd:
+        missing(path, f"{path} is not a character device", BIND)
+    if "/dev/nvidiactl" not in have:
+        missing("/dev/nvidiactl", "/dev/nvidiactl is missing: every NVIDIA program opens it",
+                BIND)
+    if not any(_GPU.fullmatch(p[5:]) and p != "/dev/nvidiactl" for p in have):
+        missing("/dev", "no /dev/nvidia<N> GPU node in the machine", BIND)
+    if f"/dev/{UVM}" not in have:
+        missing(f"/dev/{UVM}", f"/dev/{UVM} is missing: CUDA needs it (the host has not "
+                "loaded nvidia-uvm, or did not bind its nodes)", LOAD_UVM)
+    majors = read_majors(machine)
+    for node in nodes:
+        driver = _driver(node)
+        todo = RESTART_MACHINE
+        if isinstance(majors, str):
+            why = f"{majors}: cannot tell whether its driver is loaded"
+        elif driver is None:
+            if node.major == FIXED_MAJOR and FIXED_MAJOR in majors:
+                continue
+            why = (f"the nvidia module's major is {FIXED_MAJOR}" if node.major != FIXED_MAJOR
+                   else f"{PROC_DEVICES} lists no major {FIXED_MAJOR}: the nvidia module is "
+                        "not loaded")
+        else:
+            current = sorted(major for major, names in majors.items() if driver in names)
+            if node.major in current:
+                continue
+            if current:
+                why = (f"{PROC_DEVICES} gives {driver} major {current[0]}: the node was "
+                       "bound before the module was reloaded")
+            else:
+                why = f"{PROC_DEVICES} lists no {driver}: its module is not loaded"
+                if driver == UVM:
+                    todo = LOAD_UVM_AND_RESTART
+        found.append((Problem("device-stale", f"{node.path} is character device "
+                              f"{node.major}:{node.minor}, but {why}",
+                              str(machine.at(node.path))), todo))
+    return found
+
+
+def problems(machine: Machine) -> list[Problem]:
+    return [problem for problem, _ in findings(machine)]
