@@ -439,3 +439,65 @@ def test_a_pod_on_a_booted_gpu_node(make_node: NodeFactory, tmp_path: Path) -> N
             if made:
                 run_nvidia.rmdir()
         assert pod.missing(result.report(), drv.version) == [], result.output
+
+
+def metric_values(m: Machine) -> dict[str, float]:
+    """The metrics file as ``{series (with labels): value}``."""
+    out = {}
+    for line in metric_lines(m):
+        name, _, value = line.rpartition(" ")
+        if name:
+            out[name] = float(value)
+    return out
+
+
+def test_drift_check_runs_while_setup_retries(make_node: NodeFactory) -> None:
+    """Staging broken for good (no libcuda): the setup retries (RestartMode=direct keeps
+    its start job running). Asked to run, the drift check runs within seconds instead of
+    queueing behind that job, and writes metrics that say the node is not ready and why:
+    the failed run, carried over, and its own problems."""
+    node = make_node()
+    ver = node.sim.version
+    for name in (f"libcuda.so.{ver}", "libcuda.so.1", "libcuda.so"):
+        (node.sim.lib_dir / name).unlink()
+    (node.rootfs / METRICS.lstrip("/")).parent.mkdir(parents=True)  # node_exporter's dir
+    with node.machine() as m:
+
+        def retrying() -> bool:
+            s = m.show(SETUP, "NRestarts", "SubState", "ActiveState")
+            return int(s["NRestarts"] or 0) >= 1 and s["ActiveState"] == "activating"
+
+        m.wait_until(retrying, timeout=60, interval=0.3, what="the setup retrying",
+                     units=(SETUP, CHECK))
+        asked = time.time()
+        t0 = now_us()
+        assert m.systemctl("start", "--no-block", CHECK).returncode == 0
+
+        def check_ran() -> bool:
+            return m.mono(CHECK, "ExecMainExitTimestampMonotonic") > t0
+
+        m.wait_until(check_ran, timeout=10, interval=0.2, what="the drift check to have run",
+                     units=(SETUP, CHECK, CONTAINERD))
+        ran_in = (m.mono(CHECK, "ExecMainExitTimestampMonotonic") - t0) / 1e6
+        s = m.show(CHECK, "Result", "ExecMainStatus")
+        assert (s["Result"], s["ExecMainStatus"]) == ("exit-code", "1"), s  # problems found
+        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
+        assert CHECK not in jobs, jobs
+        # The setup is still retrying, untouched; containerd still waits.
+        snap = snapshot(m)
+        assert snap[SETUP]["ActiveState"] == "activating", snap[SETUP]
+        assert snap[CONTAINERD]["ActiveState"] == "inactive", snap[CONTAINERD]
+
+        values = metric_values(m)
+        assert values["unbounded_nvidia_setup_check_timestamp_seconds"] >= int(asked), values
+        assert values["unbounded_nvidia_setup_check_ok"] == 0, values
+        assert values['unbounded_nvidia_setup_check_problems{code="root-missing"}'] == 1
+        # The cause as the failed run left it: exit 1, setup failed (not "wait": 75).
+        assert values["unbounded_nvidia_setup_run_success"] == 0, values
+        assert values["unbounded_nvidia_setup_run_exit_code"] == 1, values
+        assert values["unbounded_nvidia_setup_gpu_present"] == 1, values
+        status = m.systemctl("status", CHECK).stdout
+        assert "root-missing:" in status and "verdict: not-ready-yet" in status, status
+        record_timing("drift check while setup retries", m, snapshot(m),
+                      note=f"check asked -> check done {ran_in * 1000:.0f} ms")
+
