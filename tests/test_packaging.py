@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+import cdirefresh
 import check_schema
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,38 +64,6 @@ ExecStart=/bin/sleep infinity
 [Install]
 WantedBy=multi-user.target
 """
-
-# NVIDIA Container Toolkit >= 1.18 (deployments/systemd/), with ExecStart replaced by a
-# shell that writes what the real one writes; ExecCondition (nvidia.ko in modules.dep)
-# left out so only our drop-in can stop them.
-CDI_REFRESH_SERVICE = """\
-[Unit]
-Description=Refresh NVIDIA CDI specification file (test stand-in)
-ConditionPathExists=|/usr/bin/nvidia-smi
-ConditionPathExists=|/usr/sbin/nvidia-smi
-ConditionPathExists=/usr/bin/nvidia-ctk
-After=multi-user.target
-
-[Service]
-Type=oneshot
-ExecStart=/bin/sh -c 'mkdir -p /var/run/cdi && echo stand-in > /var/run/cdi/nvidia.yaml'
-RemainAfterExit=yes
-
-[Install]
-WantedBy=multi-user.target
-"""
-CDI_REFRESH_PATH = """\
-[Unit]
-Description=Trigger CDI refresh on NVIDIA driver install / uninstall events (test stand-in)
-
-[Path]
-PathChanged=/lib/modules/%v/modules.dep
-PathChanged=/lib/modules/%v/modules.dep.bin
-
-[Install]
-WantedBy=multi-user.target
-"""
-
 
 def need(ok: object, reason: str) -> None:
     """Skip with ``reason`` unless ``ok``; fail instead when $CI is set."""
@@ -157,8 +126,8 @@ def deb() -> Path:
 
 def new_rootfs(dest: Path) -> Path:
     """A fresh trixie rootfs (tests/rootfs.py: systemd 257, python3 and the four deps,
-    stand-in containerd/kubelet) plus stand-ins of NVIDIA's nvidia-cdi-refresh units,
-    enabled as the toolkit's preset does."""
+    stand-in containerd/kubelet) plus test copies of NVIDIA's nvidia-cdi-refresh units
+    (tests/cdirefresh.py), enabled as the toolkit's preset does, that would run there."""
     need_tools("debootstrap", "tar", "chroot", "unshare", "dpkg")
     need((REPO / "tests/rootfs.py").is_file(), "no tests/rootfs.py (the trixie rootfs)")
     import rootfs
@@ -168,15 +137,7 @@ def new_rootfs(dest: Path) -> Path:
     except Exception as e:  # network, debootstrap: say why rather than error out
         need(False, f"no trixie rootfs (tests/rootfs.py): {e}")
         raise
-    unit_dir = root / UNIT_DIR
-    (unit_dir / "nvidia-cdi-refresh.service").write_text(CDI_REFRESH_SERVICE)
-    (unit_dir / "nvidia-cdi-refresh.path").write_text(CDI_REFRESH_PATH)
-    wants = root / "etc/systemd/system/multi-user.target.wants"
-    for unit in ("nvidia-cdi-refresh.service", "nvidia-cdi-refresh.path"):
-        (wants / unit).symlink_to(f"/{UNIT_DIR}/{unit}")
-    for tool in ("usr/bin/nvidia-smi", "usr/bin/nvidia-ctk"):
-        (root / tool).write_text("#!/bin/sh\nexit 0\n")
-        (root / tool).chmod(0o755)
+    cdirefresh.install(root)
     return root
 
 
@@ -485,11 +446,19 @@ def test_nvidia_cdi_refresh_skipped_while_installed(trixie: Path, deb: Path) -> 
     for unit in units:  # before: they would run
         in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}")
     sh("dpkg", f"--root={trixie}", "-i", deb)
+    # The path unit: never set up while we are installed. The service: our drop-in
+    # replaces the toolkit's conditions with "an NVIDIA device here" (none in a chroot).
+    expected = {"nvidia-cdi-refresh.path":
+                ("ConditionPathExists=!/usr/bin/unbounded-nvidia-setup failed",),
+                "nvidia-cdi-refresh.service":
+                ("ConditionPathExists=|/dev/nvidiactl failed",
+                 "ConditionPathExistsGlob=|/dev/nvidia[0-9]* failed")}
     for unit in units:
         res = in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}", check=False)
         assert res.returncode != 0
-        assert "ConditionPathExists=!/usr/bin/unbounded-nvidia-setup failed" in (
-            res.stdout + res.stderr)
+        for line in expected[unit]:
+            assert line in res.stdout + res.stderr, (unit, res.stdout + res.stderr)
+        assert "nvidia-smi" not in res.stdout + res.stderr  # the toolkit's are reset
     sh("dpkg", f"--root={trixie}", "--remove", PACKAGE)
     for unit in units:
         in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}")
@@ -521,7 +490,8 @@ def test_booted_machine_refresh_skipped_and_purge_leaves_node_alone(
             assert props == {"ActiveState": "inactive", "ConditionResult": "no",
                              "UnitFileState": "enabled"}, (unit, props)
         assert not m.exists("/var/run/cdi/nvidia.yaml")
-        # Someone (nvidia-mig-manager, an operator) restarts it by hand: still skipped.
+        # Someone (nvidia-mig-manager, an operator) restarts it by hand: still skipped on
+        # a machine without a GPU (tests/boot has the GPU case: it reloads our unit).
         m.systemctl("restart", "nvidia-cdi-refresh.service", check=True)
         assert not m.exists("/var/run/cdi/nvidia.yaml")
 
