@@ -32,8 +32,6 @@ import pytest
 import cdirefresh
 import check_schema
 
-import mirrors
-
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "units"
 PACKAGE = "unbounded-nvidia-setup"
@@ -307,6 +305,8 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
 
     assert exposure(SETUP_UNIT) <= 4.6
     assert exposure(CHECK_SERVICE) <= 1.9
+    # The toolkit's unit as our drop-in leaves it: it only runs systemctl.
+    assert exposure("nvidia-cdi-refresh.service") <= 1.9
 
 
 # -- the package --------------------------------------------------------------------------
@@ -484,7 +484,7 @@ def test_build_on_trixie_and_install(deb: Path, tmp_path: Path) -> None:
 
     try:
         tree = buildroot.fresh_tree(tmp_path / "build-tree")
-    except (buildroot.BuildRootUnavailable, mirrors.MirrorNotFound) as e:
+    except Exception as e:  # no mirror, no network, apt: say why rather than error out
         need(False, f"no trixie build tree (tests/buildroot.py): {e}")
         raise
     try:

@@ -516,6 +516,7 @@ def test_cdi_refresh_restart_reloads_the_setup(make_node: NodeFactory) -> None:
     with node.machine() as m:
         assert_gpu_node_ready(m, node)
         assert not m.exists(cdirefresh.OUTPUT)
+        at_boot = m.show(cdirefresh.SERVICE_NAME, "Result", "ActiveState")
         pids = {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)}
 
         def restart_refresh() -> float:
@@ -581,4 +582,5 @@ def test_cdi_refresh_restart_reloads_the_setup(make_node: NodeFactory) -> None:
         assert m.read_text(cdirefresh.OUTPUT) == cdirefresh.STAND_IN_TEXT
         record_timing("cdi-refresh restart -> reload", m, snapshot(m),
                       note=f"spec back {with_toolkit_conditions * 1000:.0f} ms after the "
-                      f"restart (toolkit's conditions true), {without * 1000:.0f} ms (false)")
+                      f"restart (toolkit's conditions true), {without * 1000:.0f} ms (false); "
+                      f"the refresh unit at boot: {at_boot}")
