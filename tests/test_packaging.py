@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+import cdirefresh
 import check_schema
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,38 +64,6 @@ ExecStart=/bin/sleep infinity
 [Install]
 WantedBy=multi-user.target
 """
-
-# NVIDIA Container Toolkit >= 1.18 (deployments/systemd/), with ExecStart replaced by a
-# shell that writes what the real one writes; ExecCondition (nvidia.ko in modules.dep)
-# left out so only our drop-in can stop them.
-CDI_REFRESH_SERVICE = """\
-[Unit]
-Description=Refresh NVIDIA CDI specification file (test stand-in)
-ConditionPathExists=|/usr/bin/nvidia-smi
-ConditionPathExists=|/usr/sbin/nvidia-smi
-ConditionPathExists=/usr/bin/nvidia-ctk
-After=multi-user.target
-
-[Service]
-Type=oneshot
-ExecStart=/bin/sh -c 'mkdir -p /var/run/cdi && echo stand-in > /var/run/cdi/nvidia.yaml'
-RemainAfterExit=yes
-
-[Install]
-WantedBy=multi-user.target
-"""
-CDI_REFRESH_PATH = """\
-[Unit]
-Description=Trigger CDI refresh on NVIDIA driver install / uninstall events (test stand-in)
-
-[Path]
-PathChanged=/lib/modules/%v/modules.dep
-PathChanged=/lib/modules/%v/modules.dep.bin
-
-[Install]
-WantedBy=multi-user.target
-"""
-
 
 def need(ok: object, reason: str) -> None:
     """Skip with ``reason`` unless ``ok``; fail instead when $CI is set."""
@@ -157,8 +126,8 @@ def deb() -> Path:
 
 def new_rootfs(dest: Path) -> Path:
     """A fresh trixie rootfs (tests/rootfs.py: systemd 257, python3 and the four deps,
-    stand-in containerd/kubelet) plus stand-ins of NVIDIA's nvidia-cdi-refresh units,
-    enabled as the toolkit's preset does."""
+    stand-in containerd/kubelet) plus test copies of NVIDIA's nvidia-cdi-refresh units
+    (tests/cdirefresh.py), enabled as the toolkit's preset does, that would run there."""
     need_tools("debootstrap", "tar", "chroot", "unshare", "dpkg")
     need((REPO / "tests/rootfs.py").is_file(), "no tests/rootfs.py (the trixie rootfs)")
     import rootfs
@@ -168,15 +137,7 @@ def new_rootfs(dest: Path) -> Path:
     except Exception as e:  # network, debootstrap: say why rather than error out
         need(False, f"no trixie rootfs (tests/rootfs.py): {e}")
         raise
-    unit_dir = root / UNIT_DIR
-    (unit_dir / "nvidia-cdi-refresh.service").write_text(CDI_REFRESH_SERVICE)
-    (unit_dir / "nvidia-cdi-refresh.path").write_text(CDI_REFRESH_PATH)
-    wants = root / "etc/systemd/system/multi-user.target.wants"
-    for unit in ("nvidia-cdi-refresh.service", "nvidia-cdi-refresh.path"):
-        (wants / unit).symlink_to(f"/{UNIT_DIR}/{unit}")
-    for tool in ("usr/bin/nvidia-smi", "usr/bin/nvidia-ctk"):
-        (root / tool).write_text("#!/bin/sh\nexit 0\n")
-        (root / tool).chmod(0o755)
+    cdirefresh.install(root)
     return root
 
 
@@ -328,7 +289,9 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert set(check["ReadWritePaths"].split()) == {"-/var/lib/prometheus/node-exporter",
                                                     "/run/lock"}
     assert "Restart" not in check and "WantedBy" not in check and "Before" not in check
-    assert check["After"] == SETUP_UNIT
+    # Not ordered after the setup: that start job runs for as long as the setup retries
+    # (RestartMode=direct), and the check must run meanwhile (tests/boot, issue 21).
+    assert "After" not in check and "Requires" not in check and "Wants" not in check
     timer = dict(re.findall(r"^(\w+)=(.*)$", (trixie / UNIT_DIR / CHECK_TIMER).read_text(),
                             re.M))
     assert (timer["OnBootSec"], timer["OnUnitActiveSec"]) == ("5min", "5min")
@@ -342,6 +305,8 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
 
     assert exposure(SETUP_UNIT) <= 4.6
     assert exposure(CHECK_SERVICE) <= 1.9
+    # The toolkit's unit as our drop-in leaves it: it only runs systemctl.
+    assert exposure("nvidia-cdi-refresh.service") <= 1.9
 
 
 # -- the package --------------------------------------------------------------------------
@@ -393,6 +358,10 @@ def test_deb_control(deb: Path) -> None:
     assert {"python3-yaml", "python3-sdnotify"} <= depends, depends
     assert not depends & {"python3-click", "python3-pyelftools"}, depends
     assert depends & {"python3", "python3:any"}, depends
+    # RestartMode=direct and RestartSteps= need systemd 254: an older one ignores them,
+    # and the first failed attempt would fail containerd and kubelet for good.
+    relations = [d.strip() for d in field("Depends").split(",")]
+    assert "systemd (>= 254)" in relations, relations
     info = sh("dpkg-deb", "-I", deb).stdout
     assert "preinst" not in info, "a preinst would stop the unit before upgrades"
     scripts = {}
@@ -483,14 +452,72 @@ def test_nvidia_cdi_refresh_skipped_while_installed(trixie: Path, deb: Path) -> 
     for unit in units:  # before: they would run
         in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}")
     sh("dpkg", f"--root={trixie}", "-i", deb)
+    # The path unit: never set up while we are installed. The service: our drop-in
+    # replaces the toolkit's conditions with "an NVIDIA device here" (none in a chroot).
+    expected = {"nvidia-cdi-refresh.path":
+                ("ConditionPathExists=!/usr/bin/unbounded-nvidia-setup failed",),
+                "nvidia-cdi-refresh.service":
+                ("ConditionPathExists=|/dev/nvidiactl failed",
+                 "ConditionPathExistsGlob=|/dev/nvidia[0-9]* failed")}
     for unit in units:
         res = in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}", check=False)
         assert res.returncode != 0
-        assert "ConditionPathExists=!/usr/bin/unbounded-nvidia-setup failed" in (
-            res.stdout + res.stderr)
+        for line in expected[unit]:
+            assert line in res.stdout + res.stderr, (unit, res.stdout + res.stderr)
+        assert "nvidia-smi" not in res.stdout + res.stderr  # the toolkit's are reset
     sh("dpkg", f"--root={trixie}", "--remove", PACKAGE)
     for unit in units:
         in_root(trixie, "systemd-analyze", "condition", f"--unit={unit}")
+
+
+# -- a build on trixie ----------------------------------------------------------------------
+
+
+def test_build_on_trixie_and_install(deb: Path, tmp_path: Path) -> None:
+    """The package builds on trixie (debhelper 13.24, which puts units in usr/lib itself) as
+    on the bookworm host, with the same files and relations, and that .deb installs into a
+    trixie machine rootfs. The build tree (rootfs + Build-Depends) is cached
+    (tests/buildroot.py): about 40 s after the first run, which downloads the packages."""
+    need_tools("debootstrap", "tar", "chroot", "unshare", "dpkg")
+    import buildroot
+    import rootfs
+
+    try:
+        tree = buildroot.fresh_tree(tmp_path / "build-tree")
+    except Exception as e:  # no mirror, no network, apt: say why rather than error out
+        need(False, f"no trixie build tree (tests/buildroot.py): {e}")
+        raise
+    try:
+        built, output = buildroot.build_deb(tree, REPO, pyproject_version())
+        assert "dh_installsystemd" in output
+        ours = shutil.copy2(built, tmp_path / built.name)
+    finally:
+        rootfs.remove_rootfs(tree)
+    trixie_deb = Path(ours)
+
+    # The installer's bookkeeping in the .dist-info differs between the two pybuilds
+    # (bookworm's keeps RECORD, trixie's INSTALLER); nothing reads either.
+    bookkeeping = {"INSTALLER", "RECORD", "REQUESTED", "direct_url.json"}
+
+    def files(package: Path) -> set[str]:
+        listing = sh("dpkg-deb", "-c", package).stdout
+        paths = {ln.split()[5].removeprefix(".") for ln in listing.splitlines()}
+        return {p for p in paths if not (".dist-info/" in p
+                                         and p.rsplit("/", 1)[-1] in bookkeeping)}
+
+    assert files(trixie_deb) == files(deb), (sorted(files(trixie_deb) ^ files(deb)))
+    for name in ("Depends", "Version", "Architecture"):
+        got = sh("dpkg-deb", "--field", trixie_deb, name).stdout.strip()
+        want = sh("dpkg-deb", "--field", deb, name).stdout.strip()
+        assert got == want, (name, got, want)
+
+    root = new_rootfs(tmp_path / "machine")
+    try:
+        sh("dpkg", f"--root={root}", "-i", trixie_deb)
+        assert_installed_offline(root)
+        assert in_root(root, PACKAGE, "--version").stdout.strip()
+    finally:
+        rootfs.remove_rootfs(root)
 
 
 # -- one booted machine -------------------------------------------------------------------
@@ -519,7 +546,8 @@ def test_booted_machine_refresh_skipped_and_purge_leaves_node_alone(
             assert props == {"ActiveState": "inactive", "ConditionResult": "no",
                              "UnitFileState": "enabled"}, (unit, props)
         assert not m.exists("/var/run/cdi/nvidia.yaml")
-        # Someone (nvidia-mig-manager, an operator) restarts it by hand: still skipped.
+        # Someone (nvidia-mig-manager, an operator) restarts it by hand: still skipped on
+        # a machine without a GPU (tests/boot has the GPU case: it reloads our unit).
         m.systemctl("restart", "nvidia-cdi-refresh.service", check=True)
         assert not m.exists("/var/run/cdi/nvidia.yaml")
 

@@ -13,6 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
+import cdirefresh
+
 import pod
 import realdriver
 from .harness import (
@@ -439,3 +441,146 @@ def test_a_pod_on_a_booted_gpu_node(make_node: NodeFactory, tmp_path: Path) -> N
             if made:
                 run_nvidia.rmdir()
         assert pod.missing(result.report(), drv.version) == [], result.output
+
+
+def metric_values(m: Machine) -> dict[str, float]:
+    """The metrics file as ``{series (with labels): value}``."""
+    out = {}
+    for line in metric_lines(m):
+        name, _, value = line.rpartition(" ")
+        if name:
+            out[name] = float(value)
+    return out
+
+
+def test_drift_check_runs_while_setup_retries(make_node: NodeFactory) -> None:
+    """Staging broken for good (no libcuda): the setup retries (RestartMode=direct keeps
+    its start job running). Asked to run, the drift check runs within seconds instead of
+    queueing behind that job, and writes metrics that say the node is not ready and why:
+    the failed run, carried over, and its own problems."""
+    node = make_node()
+    ver = node.sim.version
+    for name in (f"libcuda.so.{ver}", "libcuda.so.1", "libcuda.so"):
+        (node.sim.lib_dir / name).unlink()
+    (node.rootfs / METRICS.lstrip("/")).parent.mkdir(parents=True)  # node_exporter's dir
+    with node.machine() as m:
+
+        def retrying() -> bool:
+            s = m.show(SETUP, "NRestarts", "SubState", "ActiveState")
+            return int(s["NRestarts"] or 0) >= 1 and s["ActiveState"] == "activating"
+
+        m.wait_until(retrying, timeout=60, interval=0.3, what="the setup retrying",
+                     units=(SETUP, CHECK))
+        asked = time.time()
+        t0 = now_us()
+        assert m.systemctl("start", "--no-block", CHECK).returncode == 0
+
+        def check_ran() -> bool:
+            return m.mono(CHECK, "ExecMainExitTimestampMonotonic") > t0
+
+        m.wait_until(check_ran, timeout=10, interval=0.2, what="the drift check to have run",
+                     units=(SETUP, CHECK, CONTAINERD))
+        ran_in = (m.mono(CHECK, "ExecMainExitTimestampMonotonic") - t0) / 1e6
+        s = m.show(CHECK, "Result", "ExecMainStatus")
+        assert (s["Result"], s["ExecMainStatus"]) == ("exit-code", "1"), s  # problems found
+        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
+        assert CHECK not in jobs, jobs
+        # The setup is still retrying, untouched; containerd still waits.
+        snap = snapshot(m)
+        assert snap[SETUP]["ActiveState"] == "activating", snap[SETUP]
+        assert snap[CONTAINERD]["ActiveState"] == "inactive", snap[CONTAINERD]
+
+        values = metric_values(m)
+        assert values["unbounded_nvidia_setup_check_timestamp_seconds"] >= int(asked), values
+        assert values["unbounded_nvidia_setup_check_ok"] == 0, values
+        assert values['unbounded_nvidia_setup_check_problems{code="root-missing"}'] == 1
+        # The cause as the failed run left it: exit 1, setup failed (not "wait": 75).
+        assert values["unbounded_nvidia_setup_run_success"] == 0, values
+        assert values["unbounded_nvidia_setup_run_exit_code"] == 1, values
+        assert values["unbounded_nvidia_setup_gpu_present"] == 1, values
+        status = m.systemctl("status", CHECK).stdout
+        assert "root-missing:" in status and "verdict: not-ready-yet" in status, status
+        record_timing("drift check while setup retries", m, snapshot(m),
+                      note=f"check asked -> check done {ran_in * 1000:.0f} ms")
+
+
+def test_cdi_refresh_restart_reloads_the_setup(make_node: NodeFactory) -> None:
+    """nvidia-mig-manager's hook after a MIG change, `systemctl restart
+    nvidia-cdi-refresh.service`, with the toolkit's units installed and enabled
+    (tests/cdirefresh.py): our spec comes back within seconds (the restart ran `systemctl
+    reload unbounded-nvidia-setup`), containerd and kubelet keep running, and the toolkit's
+    own generation never runs (no /var/run/cdi/nvidia.yaml). A reload that refuses (the
+    root no longer matches the staging) is still a refusal, in the setup's journal."""
+    node = make_node()
+    cdirefresh.install(node.rootfs, nvidia_ctk=False)  # the node has the nvidia-ctk stand-in
+    with node.machine() as m:
+        assert_gpu_node_ready(m, node)
+        assert not m.exists(cdirefresh.OUTPUT)
+        at_boot = m.show(cdirefresh.SERVICE_NAME, "Result", "ActiveState")
+        pids = {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)}
+
+        def restart_refresh() -> float:
+            """The hook's command (blocking); how long it took."""
+            t = time.monotonic()
+            res = m.systemctl("restart", cdirefresh.SERVICE_NAME)
+            assert res.returncode == 0, res.stdout + res.stderr
+            return time.monotonic() - t
+
+        def spec_back_after_restart() -> float:
+            m.exec("rm", SPEC)
+            t0 = time.monotonic()
+            took = restart_refresh()
+            assert took < 5, f"`systemctl restart {cdirefresh.SERVICE_NAME}` took {took:.1f} s"
+            m.wait_until(lambda: m.exists(SPEC), timeout=10, what=f"{SPEC} back",
+                         units=(SETUP, cdirefresh.SERVICE_NAME))
+            back = time.monotonic() - t0
+            assert f"{DRIVER_ROOT}/lib/{MA}/libcuda.so.{node.sim.version}" in m.read_text(SPEC)
+            assert not m.exists(cdirefresh.OUTPUT)
+            assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
+            s = m.show(SETUP, "ActiveState", "SubState", "NRestarts")
+            assert s == {"ActiveState": "active", "SubState": "exited", "NRestarts": "0"}, s
+            # Hardened as it is, the refresh unit talked to systemd: it ran and succeeded.
+            r = m.show(cdirefresh.SERVICE_NAME, "Result", "ExecMainStatus")
+            assert r == {"Result": "success", "ExecMainStatus": "0"}, r
+            return back
+
+        with_toolkit_conditions = spec_back_after_restart()
+        # A machine without nvidia-smi in /usr/bin and without the module in its own
+        # /lib/modules (the usual node: nvidia-smi lives in the driver root): the same.
+        m.exec("rm", "/usr/bin/nvidia-smi", f"/lib/modules/{os.uname().release}/modules.dep")
+        without = spec_back_after_restart()
+        assert m.journal("--priority=err", "--output=cat", unit=SETUP).strip() == ""
+
+        # The host's driver changed under the running machine: the reload refuses.
+        cdirefresh.install(node.rootfs, nvidia_ctk=False)
+        root = m.exec("find", DRIVER_ROOT, "-printf", "%p %y %s %T@ %m %l\n").stdout
+        spec = m.read_text(SPEC)
+        (node.sim.lib_dir / f"libnvidia-ptxjitcompiler.so.{node.sim.version}").unlink()
+        restart_refresh()
+
+        def refusal() -> str | None:
+            errors = m.journal("--priority=err", "--output=cat", unit=SETUP)
+            return errors if "systemctl restart unbounded-nvidia-setup" in errors else None
+
+        errors = m.wait_until(refusal, timeout=15, what="the reload's refusal in the journal",
+                              units=(SETUP, cdirefresh.SERVICE_NAME))
+        assert "no longer matches the driver staging" in errors, errors
+        assert m.exec("find", DRIVER_ROOT, "-printf", "%p %y %s %T@ %m %l\n").stdout == root
+        assert m.read_text(SPEC) == spec
+        s = m.show(SETUP, "ActiveState", "SubState")
+        assert (s["ActiveState"], s["SubState"]) == ("active", "exited"), s
+        assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
+        assert not m.exists(cdirefresh.OUTPUT)
+
+        # The test copy is live: with our drop-in masked (the documented opt-out) the
+        # toolkit's own generation runs and writes its spec.
+        mask = "/etc/systemd/system/nvidia-cdi-refresh.service.d/10-unbounded-nvidia-setup.conf"
+        m.exec("mkdir", "-p", os.path.dirname(mask))
+        m.exec("ln", "-s", "/dev/null", mask)
+        m.systemctl("daemon-reload", check=True)
+        restart_refresh()
+        assert m.read_text(cdirefresh.OUTPUT) == cdirefresh.STAND_IN_TEXT
+        record_timing("cdi-refresh restart -> reload", m, snapshot(m),
+                      note=f"spec back {with_toolkit_conditions * 1000:.0f} ms after the "
+                      f"restart (toolkit's conditions true), {without * 1000:.0f} ms (false); "
+                      f"the refresh unit at boot: {at_boot}")
