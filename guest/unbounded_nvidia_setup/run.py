@@ -15,6 +15,12 @@ from . import log
 from .budget import Limit
 from .log import die
 
+# After the SIGKILL of a program's group, what is left in its pipes is read for this long.
+# A descendant that made a session of its own (a daemonised helper) escaped the group
+# kill and may hold the pipes open for ever: end-of-file is not waited for beyond this.
+# Reading what a dead program left in a pipe takes microseconds; this is room, not need.
+KILL_GRACE_SECONDS = 0.5
+
 
 @dataclass(frozen=True)
 class Result:
@@ -57,6 +63,7 @@ class Started:
         (log.debug if quiet else log.info)(f"running: {shlex.join(argv)}")
         self.argv = argv
         self.limit = limit
+        self.killed = False
         self.deadline = None if limit.seconds is None else time.monotonic() + limit.seconds
         self.result: Result | None = None
         try:
@@ -91,11 +98,28 @@ class Started:
         self.result = Result(self.argv, self.proc.returncode, out, err)
         return self.result
 
-    def kill(self) -> None:
+    def kill(self) -> tuple[str, str]:
+        """Kill the program and its process group; return what it wrote (once: a second
+        call returns nothing and signals nothing, so a reaped pid is never signalled)."""
+        if self.killed:
+            return "", ""
+        self.killed = True
         # The whole group: a program's own children must not outlive it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate()
+        try:
+            out, err = self.proc.communicate(timeout=KILL_GRACE_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            # A descendant outside the group still holds the pipes: keep what was read
+            # (bytes here, even in text mode), close them, and reap the killed program.
+            out, err = _decoded(e.stdout), _decoded(e.stderr)
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=KILL_GRACE_SECONDS)
+        return out or "", err or ""
 
     def __enter__(self) -> Started:
         return self
@@ -103,6 +127,12 @@ class Started:
     def __exit__(self, *exc: object) -> None:
         if self.result is None:
             self.kill()
+
+
+def _decoded(data: str | bytes | None) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""
 
 
 def start(argv: list[str], *, limit: Limit) -> Started:
