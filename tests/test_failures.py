@@ -340,16 +340,20 @@ def test_the_first_error_line_is_the_cause(live: simgpu.SimMachine, cli: Cli,
                                            tmp_path: Path) -> None:
     """An nvidia-ctk that logs the cause first and a generic line last (the shape issue
     21 reports; 1.20 wraps the cause into its one error line instead): the run quotes
-    the first, and both are in the journal."""
+    the first, and both are in the journal; a warning said twice (1.20 repeats several)
+    is relayed once."""
     cause = "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND"
+    again = logrus("warning", "Missing libnvidia-nvvm70.so.*")
     live.write_config(nvidia_ctk=str(logrus_ctk(tmp_path / "bin", [
         logrus("info", "Using /run/nvidia/driver/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
+        again, again,
         logrus("error", cause),
         logrus("error", "failed to generate CDI spec")])))
     recorded = Recorded(cli)
     error = fails_cleanly(recorded, live, 1, f"(exit status 1: {cause});")
     assert recorded.out is not None
     assert ctk_lines(recorded.out.lines) == [
+        'level=warning msg="Missing libnvidia-nvvm70.so.*" (2 times)',
         f"level=error msg={json.dumps(cause)}",
         'level=error msg="failed to generate CDI spec"'], recorded.out.lines
     assert "Using /run" not in recorded.out.stderr, error

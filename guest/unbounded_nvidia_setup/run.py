@@ -74,24 +74,32 @@ def relay(program: str, stderr: str, *, failed: bool) -> None:
     run's one error-level line (which quotes the first of them) stays the only one. A
     success's warnings go out at notice level: nvidia-ctk warns on every healthy
     generate (no nvidia-imex, no fabric manager socket, ...), and a healthy boot must
-    not carry warnings that nobody can act on. Every other line, and what the bound
-    leaves out, is logged at debug level (-v), in the program's order."""
+    not carry warnings that nobody can act on. A line repeated is relayed once. Every
+    other line (repeats too), and what the bound leaves out, is logged at debug level
+    (-v), in the program's order."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    errors, others = [], []
-    for index, line in enumerate(lines):
+    # journald stamps each line itself: logrus's own time= adds only width, and without
+    # it a repeated warning (the real 1.20 says "Failed to load ldcache" five times in
+    # one generate) is relayed once, with how often it came.
+    bare = [_LOGRUS_TIME.sub("", line) for line in lines]
+    times: dict[str, int] = {}
+    errors: list[int] = []
+    others: list[int] = []
+    for index, line in enumerate(bare):
         level = logrus_level(line)
-        if level in ERROR_LEVELS:
-            errors.append(index)
-        elif level in WARNING_LEVELS or (level is None and failed):
-            others.append(index)
+        if level in ERROR_LEVELS or level in WARNING_LEVELS or (level is None and failed):
+            times[line] = times.get(line, 0) + 1
+            if times[line] == 1:
+                (errors if level in ERROR_LEVELS else others).append(index)
     chosen = set((errors + others)[:RELAY_LINES])
     more = len(errors) + len(others) - len(chosen)
     priority = log.WARNING if failed else log.NOTICE
     name = os.path.basename(program)
     for index, line in enumerate(lines):
         if index in chosen:
-            # journald stamps each line itself: logrus's own time= adds only width.
-            log.log(priority, f"{name}: {_cut(_LOGRUS_TIME.sub('', line), RELAY_LINE_CHARS)}")
+            count = times[bare[index]]
+            again = f" ({count} times)" if count > 1 else ""
+            log.log(priority, f"{name}: {_cut(bare[index], RELAY_LINE_CHARS)}{again}")
         else:
             log.debug(f"{name}: {line}")
     if more:
