@@ -56,6 +56,10 @@ class Outcome:
     def errors(self) -> list[str]:
         return [line for line in self.lines if line.startswith("error: ")]
 
+    @property
+    def warnings(self) -> list[str]:
+        return [line for line in self.lines if line.startswith("warning: ")]
+
 
 def invoke(root: Path | None, *args: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> Outcome:

@@ -31,7 +31,7 @@ from invariants import (
 )
 from test_branches import release
 from test_resources import processes_under
-from unbounded_nvidia_setup import budget, ldconf, metrics
+from unbounded_nvidia_setup import budget, ldconf, metrics, run
 from unbounded_nvidia_setup.budget import Budget, Limit, cap
 from unbounded_nvidia_setup.config import Config, Machine
 
@@ -108,7 +108,9 @@ def worst_case(config: Config) -> tuple[float, str]:
     it; after a failed generate `nvidia-ctk --version` and a generate without the hook
     flags; the end-state proof's `ldconfig -p`. All of that stops where the budget's
     reserve begins. Then the rollback's ldconfig, within its slice of the reserve; then the
-    metrics file (its flock waits up to metrics._LOCK_WAIT)."""
+    metrics file (its flock waits up to metrics._LOCK_WAIT). Each program killed (those
+    six, and the early generate thrown away when the root changes) may add
+    run.KILL_GRACE_SECONDS, reading its pipes after the kill."""
     ctk = config.nvidia_ctk_timeout_seconds
     forward_waits = (config.lock_timeout_seconds + config.staging_wait_seconds
                      + max(ctk, config.ldconfig_timeout_seconds) + 2 * ctk
@@ -117,9 +119,10 @@ def worst_case(config: Config) -> tuple[float, str]:
     reserve = total * budget.RESERVE_SHARE
     forward = min(forward_waits, total - reserve)
     rollback = min(config.ldconfig_timeout_seconds, reserve * budget.ROLLBACK_LDCONFIG_SHARE)
-    worst = STARTUP + forward + rollback + metrics._LOCK_WAIT
+    kills = 7 * run.KILL_GRACE_SECONDS
+    worst = STARTUP + forward + rollback + kills + metrics._LOCK_WAIT
     how = (f"startup {STARTUP:g} + forward min({forward_waits:g} of waits, {total:g} - "
-           f"{reserve:g} kept) + rollback ldconfig {rollback:g} + metrics "
+           f"{reserve:g} kept) + rollback ldconfig {rollback:g} + kills {kills:g} + metrics "
            f"{metrics._LOCK_WAIT:g} = {worst:g} s")
     return worst, how
 
@@ -294,6 +297,100 @@ def test_ldconfig_hung_from_its_second_call_ends_within_the_budget(
     out = ends_in_budget(live, 1, "[ldcache-stale]")
     budget_said(out)
     assert any("after rolling back:" in line for line in out.lines), out.lines
+
+
+# --------------------------------------------------------------------------------------
+# A child whose helper escaped the kill (issue 21, point 2)
+
+CHILD_TIMEOUT = 2  # nvidia_ctk_timeout_seconds / ldconfig_timeout_seconds of these tests
+# How long the helper lives: far beyond PATIENCE, so a run that waits for it is seen hung.
+HELPER_SECONDS = 600
+
+
+def leaving_a_helper(directory: Path, name: str, pids: Path) -> Path:
+    """A stand-in `name` (config key `nvidia_ctk` or `ldconfig`) that starts a helper in a
+    session of its own (setsid: out of reach of a kill of its process group), which
+    inherits its stdout and stderr and sleeps, as a daemonised NVML helper or an
+    nvidia-persistenced-style program would; then it hangs itself. Each helper's pid is
+    appended to `pids` (the test's teardown kills them)."""
+    directory.mkdir(exist_ok=True)
+    script = directory / name
+    script.write_text(f"""#!/bin/sh
+echo "{name}: starting a helper" >&2
+setsid sh -c 'echo $$ >> {pids}; exec sleep {HELPER_SECONDS}' &
+while :; do sleep 1; done
+""")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def helpers(tmp_path: Path) -> Iterator[Path]:
+    """The file the helpers' pids go to; afterwards each helper still running is killed,
+    by its pid (checked to be the helper's sleep, not a process that reused the pid)."""
+    pids = tmp_path / "helper-pids"
+    yield pids
+    for pid in alive(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pids: Path) -> list[int]:
+    """The helpers listed in `pids` that are still running."""
+    found = []
+    for pid in (int(n) for n in pids.read_text().split()) if pids.exists() else ():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.split(b"\0")[:2] == [b"sleep", str(HELPER_SECONDS).encode()]:
+            found.append(pid)
+    return found
+
+
+def ends_at_its_timeout(m: simgpu.SimMachine, expect: str, pids: Path, *, timeouts: int,
+                        kills: int) -> None:
+    """The run fails in its own words (one error line naming the timeout, exit 1, the
+    previous state kept, no traceback: fails_cleanly), within the bound the config sets:
+    the timeouts of the programs that hung (`timeouts` of them), the grace the pipes of
+    each program killed (`kills`) are read for after the kill, and SLACK for the
+    interpreter and a busy machine. A helper really outlived the kill, holding the pipes
+    (or the test proved nothing)."""
+    timed = Timed()
+    fails_cleanly(timed, m, 1, expect)
+    out, took = timed.runs[-1]
+    bound = timeouts * CHILD_TIMEOUT + kills * run.KILL_GRACE_SECONDS + SLACK
+    assert took < bound, f"took {took:.1f} s, more than {bound:g} s: {out.stderr}"
+    assert alive(pids), "no helper outlived the kill: the test proved nothing"
+
+
+@on_a_machine
+def test_nvidia_ctk_whose_helper_keeps_the_pipes_open_ends_at_its_timeout(
+        live: simgpu.SimMachine, cli: Cli, tmp_path: Path, helpers: Path) -> None:
+    """The early generate (thrown away: the root changes) and the generate after the swap
+    both leave a helper; the second hangs past nvidia_ctk_timeout_seconds. The run's
+    budget is the shipped 240 s: only the timeout and the bounded read after the kill
+    can end it in time."""
+    live.write_config(nvidia_ctk_timeout_seconds=CHILD_TIMEOUT,
+                      nvidia_ctk=str(leaving_a_helper(tmp_path / "bin", "nvidia-ctk", helpers)))
+    ends_at_its_timeout(live, f"nvidia-ctk did not finish within {CHILD_TIMEOUT} s", helpers,
+                        timeouts=1, kills=2)
+    live.write_config()
+    assert cli(live.root, "run").code == 0
+
+
+@on_a_machine
+def test_ldconfig_whose_helper_keeps_the_pipes_open_ends_at_its_timeout(
+        live: simgpu.SimMachine, cli: Cli, tmp_path: Path, helpers: Path) -> None:
+    """ldconfig hangs after the swap and again in the rollback, each leaving a helper:
+    two timeouts, each ended with its bounded read (and the early generate, thrown away,
+    is a third kill)."""
+    live.write_config(ldconfig_timeout_seconds=CHILD_TIMEOUT,
+                      ldconfig=str(leaving_a_helper(tmp_path / "bin", "ldconfig", helpers)))
+    ends_at_its_timeout(live, f"ldconfig did not finish within {CHILD_TIMEOUT} s", helpers,
+                        timeouts=2, kills=3)
+    live.write_config()
+    assert cli(live.root, "run").code == 0
 
 
 @on_a_machine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from invariants import product_argv, product_env, secure_after  # noqa: F401  (fixture)
+from unbounded_nvidia_setup import run
 
 import elfbuild
 import simgpu
-from conftest import Cli, needs_root, stand_in_only
+from conftest import Cli, Outcome, needs_root, stand_in_only
 from test_run import check_json, root_of, snapshot, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -259,3 +261,136 @@ def test_read_only_cdi_dir_keeps_the_previous_state(live: simgpu.SimMachine, cli
     mounts.append(cdi)
     subprocess.run(["mount", "-o", "remount,bind,ro", str(cdi)], check=True)
     fails_cleanly(cli, live, 1, "cannot install the CDI spec")
+
+
+# --------------------------------------------------------------------------------------
+# nvidia-ctk's own words in the journal (issue 21, point 1). Without -v: what reaches the
+# journal at the unit's default verbosity. Its lines keep their logrus form, less the
+# time= stamp (journald has its own).
+
+
+def ctk_lines(lines: list[str], label: str = "warning: ") -> list[str]:
+    """nvidia-ctk's lines the run logged with `label` (tty labels: "warning: ", "" for
+    notice and info)."""
+    prefix = f"{label}nvidia-ctk: "
+    return [line[len(prefix):] for line in lines if line.startswith(prefix)]
+
+
+class Recorded:
+    """A Cli remembering its last outcome (fails_cleanly returns only the error line)."""
+
+    def __init__(self, cli: Cli) -> None:
+        self.cli = cli
+        self.out: Outcome | None = None
+
+    def __call__(self, *args: object, **kwargs: object) -> Outcome:
+        self.out = self.cli(*args, **kwargs)
+        return self.out
+
+
+def logrus_ctk(directory: Path, stderr: list[str], status: int = 1) -> Path:
+    """A stand-in nvidia-ctk (config key `nvidia_ctk`) that writes `stderr` (logrus lines
+    given as (level, msg) pairs already formatted) and exits with `status`; `--version`
+    answers 1.20.0, so the product does not retry without the hook flags."""
+    directory.mkdir(exist_ok=True)
+    text = directory / "stderr"
+    text.write_text("".join(f"{line}\n" for line in stderr))
+    script = directory / "nvidia-ctk"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then
+    printf 'NVIDIA Container Toolkit CLI version 1.20.0\\ncommit: 0\\n'; exit 0
+fi
+cat {text} >&2
+exit {status}
+""")
+    script.chmod(0o755)
+    return script
+
+
+def logrus(level: str, msg: str) -> str:
+    """A line as logrus's TextFormatter writes it (msg quoted like Go's %q, as JSON does
+    for these texts)."""
+    return f'time="2026-12-02T04:35:42Z" level={level} msg={json.dumps(msg)}'
+
+
+def test_nvml_failure_reaches_the_journal_with_its_cause(live: simgpu.SimMachine,
+                                                         cli: Cli) -> None:
+    """nvidia-ctk in its default mode (auto: NVML) on a machine whose NVML cannot
+    initialise, as without a GPU: its error and its warning that NVML failed are in the
+    journal at warning level, and the run's one error line quotes its error's message,
+    not its raw logrus line."""
+    live.write_config(staging_wait_seconds=0, nvidia_ctk_timeout_seconds=5,
+                      lock_timeout_seconds=1, nvidia_ctk_args=None)
+    recorded = Recorded(cli)
+    error = fails_cleanly(recorded, live, 1, "nvidia-ctk cdi generate failed (exit status 1: "
+                          "failed to generate CDI spec: ")
+    assert "failed to initialize NVML: " in error and "level=" not in error, error
+    assert recorded.out is not None
+    said = ctk_lines(recorded.out.lines)
+    assert any(line.startswith('level=error msg="failed to generate CDI spec: ')
+               and "failed to initialize NVML" in line for line in said), said
+    assert any(line.startswith('level=warning msg="Could not determine driver version')
+               for line in said), said
+    assert not any("level=info" in line for line in recorded.out.lines), recorded.out.lines
+    assert not any(line.startswith("time=") for line in said), said
+
+
+def test_the_first_error_line_is_the_cause(live: simgpu.SimMachine, cli: Cli,
+                                           tmp_path: Path) -> None:
+    """An nvidia-ctk that logs the cause first and a generic line last (the shape issue
+    21 reports; 1.20 wraps the cause into its one error line instead): the run quotes
+    the first, and both are in the journal; a warning said twice (1.20 repeats several)
+    is relayed once."""
+    cause = "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND"
+    again = logrus("warning", "Missing libnvidia-nvvm70.so.*")
+    live.write_config(nvidia_ctk=str(logrus_ctk(tmp_path / "bin", [
+        logrus("info", "Using /run/nvidia/driver/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
+        again, again,
+        logrus("error", cause),
+        logrus("error", "failed to generate CDI spec")])))
+    recorded = Recorded(cli)
+    error = fails_cleanly(recorded, live, 1, f"(exit status 1: {cause});")
+    assert recorded.out is not None
+    assert ctk_lines(recorded.out.lines) == [
+        'level=warning msg="Missing libnvidia-nvvm70.so.*" (2 times)',
+        f"level=error msg={json.dumps(cause)}",
+        'level=error msg="failed to generate CDI spec"'], recorded.out.lines
+    assert "Using /run" not in recorded.out.stderr, error
+
+
+def test_a_flood_from_nvidia_ctk_reaches_the_journal_bounded(live: simgpu.SimMachine,
+                                                             cli: Cli,
+                                                             tmp_path: Path) -> None:
+    """300 long warnings, then a long error: the journal gets at most run.RELAY_LINES of
+    them, each cut to run.RELAY_LINE_CHARS, the error among them, and a note of how many
+    were left out; the run's one line quotes the error, cut too."""
+    warnings = [logrus("warning", f"Could not locate thing {n}: " + "x" * 2000)
+                for n in range(300)]
+    cause = "failed to create device CDI specs: " + "y" * 5000
+    live.write_config(nvidia_ctk=str(logrus_ctk(tmp_path / "bin",
+                                                [*warnings, logrus("error", cause)])))
+    recorded = Recorded(cli)
+    error = fails_cleanly(recorded, live, 1, "(exit status 1: failed to create device CDI "
+                          "specs: yyy")
+    assert len(error) < run.CAUSE_CHARS + 400, len(error)
+    assert recorded.out is not None
+    said = ctk_lines(recorded.out.lines)
+    assert said[-1] == f"({301 - run.RELAY_LINES} more lines; -v logs all of them)", said[-1]
+    assert len(said) == run.RELAY_LINES + 1, len(said)
+    assert all(len(line) < run.RELAY_LINE_CHARS + 40 for line in said), \
+        max(len(line) for line in said)
+    assert said[-2].startswith('level=error msg="failed to create device CDI specs: yyy')
+    assert len(recorded.out.stderr.encode()) < 3 * run.RELAY_LINES * run.RELAY_LINE_CHARS
+
+
+def test_a_good_run_logs_nvidia_ctks_warnings_at_notice_level(m: simgpu.SimMachine,
+                                                              cli: Cli) -> None:
+    """nvidia-ctk warns on every healthy generate (no MIG caps, no nvidia-imex, ...): its
+    warnings reach the journal at notice level, not as warnings of the run, and its
+    info lines stay at debug level."""
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    said = ctk_lines(out.lines, label="")
+    assert said and all(line.startswith("level=warning msg=") for line in said), out.lines
+    assert not [line for line in out.lines if line.startswith("warning: ")], out.lines
+    assert "level=info" not in out.stderr, out.stderr

@@ -79,7 +79,9 @@ class Generator:
         # Each call within its own limit (0 in the config: none) and what is left of the
         # run's budget when it starts.
         own = self.machine.config.nvidia_ctk_timeout_seconds or None
-        started = start(argv, limit=self.machine.limit(own))
+        # Its errors and warnings reach the journal: when NVML or the device nodes fail,
+        # they are the only account of why (run.relay).
+        started = start(argv, limit=self.machine.limit(own), speaks=True)
         self.running.append(started)
         return started
 
@@ -109,8 +111,8 @@ class Generator:
                 result = self._generate().wait()
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
-                hint="the previous driver root and spec were kept; see the journal for its "
-                     "output")
+                hint="the previous driver root and spec were kept; its errors and warnings "
+                     "are in the journal above this line")
         output = self.work / "nvidia.yaml"
         try:
             data = output.read_bytes()

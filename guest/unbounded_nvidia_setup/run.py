@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -14,6 +16,94 @@ from dataclasses import dataclass
 from . import log
 from .budget import Limit
 from .log import die
+
+# After the SIGKILL of a program's group, what is left in its pipes is read for this long.
+# A descendant that made a session of its own (a daemonised helper) escaped the group
+# kill and may hold the pipes open for ever: end-of-file is not waited for beyond this.
+# Reading what a dead program left in a pipe takes microseconds; this is room, not need.
+KILL_GRACE_SECONDS = 0.5
+
+# What of a program's stderr reaches the journal at the default verbosity (relay()): at
+# most this many lines, each cut at this many characters, so a program that floods its
+# stderr cannot flood the journal (about 10 KB at most; the rest is at debug level, -v).
+RELAY_LINES = 20
+RELAY_LINE_CHARS = 500
+# How much of the cause the one-line error quotes.
+CAUSE_CHARS = 400
+
+# logrus's text format, as Go programs (nvidia-ctk) write it:
+#   time="2026-12-02T04:35:42Z" level=error msg="failed to ...: Driver Not Loaded"
+_LOGRUS = re.compile(r'(?:^|\s)level=(?P<level>[a-z]+)\s+msg=(?P<msg>"(?:[^"\\]|\\.)*"|\S*)')
+_LOGRUS_TIME = re.compile(r'^time="[^"]*"\s+')
+ERROR_LEVELS = ("error", "fatal", "panic")
+WARNING_LEVELS = ("warning", "warn")
+
+
+def logrus_level(line: str) -> str | None:
+    """The level of a logrus line, or None when the line is not one."""
+    m = _LOGRUS.search(line)
+    return m.group("level") if m else None
+
+
+def logrus_message(line: str) -> str | None:
+    """The text of a logrus line's msg (its Go quoting undone where JSON reads it the
+    same), or None when the line is not one."""
+    m = _LOGRUS.search(line)
+    if m is None:
+        return None
+    msg = m.group("msg")
+    if not msg.startswith('"'):
+        return msg
+    try:
+        text = json.loads(msg)
+    except ValueError:  # a Go-only escape (\x00, \a): the text between the quotes
+        return msg[1:-1]
+    return text if isinstance(text, str) else msg[1:-1]
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def relay(program: str, stderr: str, *, failed: bool) -> None:
+    """A program's own words in the journal, at the tool's default verbosity: its error
+    and warning lines (logrus `level=error`, `level=warning`), and when it failed also
+    its lines in no known format (a dynamic linker's `symbol lookup error`, a Go panic).
+    Bounded (RELAY_LINES, RELAY_LINE_CHARS, then a "(N more lines)" note); error lines
+    are kept first when the bound bites. A failure's lines go out at warning level: the
+    run's one error-level line (which quotes the first of them) stays the only one. A
+    success's warnings go out at notice level: nvidia-ctk warns on every healthy
+    generate (no nvidia-imex, no fabric manager socket, ...), and a healthy boot must
+    not carry warnings that nobody can act on. A line repeated is relayed once. Every
+    other line (repeats too), and what the bound leaves out, is logged at debug level
+    (-v), in the program's order."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    # journald stamps each line itself: logrus's own time= adds only width, and without
+    # it a repeated warning (the real 1.20 says "Failed to load ldcache" five times in
+    # one generate) is relayed once, with how often it came.
+    bare = [_LOGRUS_TIME.sub("", line) for line in lines]
+    times: dict[str, int] = {}
+    errors: list[int] = []
+    others: list[int] = []
+    for index, line in enumerate(bare):
+        level = logrus_level(line)
+        if level in ERROR_LEVELS or level in WARNING_LEVELS or (level is None and failed):
+            times[line] = times.get(line, 0) + 1
+            if times[line] == 1:
+                (errors if level in ERROR_LEVELS else others).append(index)
+    chosen = set((errors + others)[:RELAY_LINES])
+    more = len(errors) + len(others) - len(chosen)
+    priority = log.WARNING if failed else log.NOTICE
+    name = os.path.basename(program)
+    for index, line in enumerate(lines):
+        if index in chosen:
+            count = times[bare[index]]
+            again = f" ({count} times)" if count > 1 else ""
+            log.log(priority, f"{name}: {_cut(bare[index], RELAY_LINE_CHARS)}{again}")
+        else:
+            log.debug(f"{name}: {line}")
+    if more:
+        log.log(priority, f"{name}: ({more} more lines; -v logs all of them)")
 
 
 @dataclass(frozen=True)
@@ -27,17 +117,28 @@ class Result:
     def ok(self) -> bool:
         return self.returncode == 0
 
+    def cause(self) -> str:
+        """What the program said went wrong, in one line: the message of its first logrus
+        error line (Go programs log the cause before the generic line they end with, or
+        wrap it into that one), else its last line of output (ldconfig's last word, a
+        dynamic linker's `symbol lookup error`)."""
+        lines = [line for line in (self.stderr or self.stdout).splitlines() if line.strip()]
+        for line in lines:
+            if logrus_level(line) in ERROR_LEVELS:
+                message = logrus_message(line)
+                if message:
+                    return _cut(message, CAUSE_CHARS)
+        return _cut(lines[-1].strip(), CAUSE_CHARS) if lines else "no output"
+
     def why(self) -> str:
-        """How the program failed, in one line (its last line of stderr, or the signal)."""
+        """How the program failed, in one line (its cause, or the signal)."""
         if self.returncode < 0:
             try:
                 name = signal.Signals(-self.returncode).name
             except ValueError:
                 name = f"signal {-self.returncode}"
             return f"killed by {name}"
-        lines = [line for line in (self.stderr or self.stdout).splitlines() if line.strip()]
-        last = lines[-1].strip() if lines else "no output"
-        return f"exit status {self.returncode}: {last}"
+        return f"exit status {self.returncode}: {self.cause()}"
 
 
 def find_program(name: str, config_key: str) -> str:
@@ -53,10 +154,15 @@ class Started:
     """A program started in the background; wait() collects it. Used as a context
     manager, a program not waited for (the caller failed meanwhile) is killed."""
 
-    def __init__(self, argv: list[str], limit: Limit, quiet: bool = False) -> None:
+    def __init__(self, argv: list[str], limit: Limit, quiet: bool = False,
+                 speaks: bool = False) -> None:
+        """`speaks`: the program's errors and warnings go to the journal at the default
+        verbosity (relay()); otherwise its stderr is logged at debug level only."""
         (log.debug if quiet else log.info)(f"running: {shlex.join(argv)}")
         self.argv = argv
         self.limit = limit
+        self.speaks = speaks
+        self.killed = False
         self.deadline = None if limit.seconds is None else time.monotonic() + limit.seconds
         self.result: Result | None = None
         try:
@@ -79,23 +185,48 @@ class Started:
         try:
             out, err = self.proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
-            self.kill()
+            _, err = self.kill()
+            # What it said before it was killed may say where it hung.
+            self._log_stderr(err, failed=True)
             # Cut short by the run's budget, the program may only be slow: the budget is
             # raised with the unit's timeout, or systemd kills the run mid-way again.
             die(f"{self.argv[0]} did not finish within {self.limit.text()}"
                 f"{self.limit.because()}", hint="check the program; " + (
                     "raise run_timeout_seconds only together with the unit's TimeoutStartSec"
                     if self.limit.by_budget else "the timeout is configurable"))
-        for line in err.splitlines():
-            log.debug(f"{os.path.basename(self.argv[0])}: {line}")
+        self._log_stderr(err, failed=self.proc.returncode != 0)
         self.result = Result(self.argv, self.proc.returncode, out, err)
         return self.result
 
-    def kill(self) -> None:
+    def _log_stderr(self, err: str, *, failed: bool) -> None:
+        if self.speaks:
+            relay(self.argv[0], err, failed=failed)
+            return
+        for line in err.splitlines():
+            log.debug(f"{os.path.basename(self.argv[0])}: {line}")
+
+    def kill(self) -> tuple[str, str]:
+        """Kill the program and its process group; return what it wrote (once: a second
+        call returns nothing and signals nothing, so a reaped pid is never signalled)."""
+        if self.killed:
+            return "", ""
+        self.killed = True
         # The whole group: a program's own children must not outlive it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate()
+        try:
+            out, err = self.proc.communicate(timeout=KILL_GRACE_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            # A descendant outside the group still holds the pipes: keep what was read
+            # (bytes here, even in text mode), close them, and reap the killed program.
+            out, err = _decoded(e.stdout), _decoded(e.stderr)
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=KILL_GRACE_SECONDS)
+        return out or "", err or ""
 
     def __enter__(self) -> Started:
         return self
@@ -105,9 +236,16 @@ class Started:
             self.kill()
 
 
-def start(argv: list[str], *, limit: Limit) -> Started:
-    """Start `argv`; its whole process group is killed when `limit` passes."""
-    return Started(argv, limit)
+def _decoded(data: str | bytes | None) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""
+
+
+def start(argv: list[str], *, limit: Limit, speaks: bool = False) -> Started:
+    """Start `argv`; its whole process group is killed when `limit` passes. `speaks`: its
+    errors and warnings reach the journal (relay())."""
+    return Started(argv, limit, speaks=speaks)
 
 
 def run(argv: list[str], *, limit: Limit, quiet: bool = False) -> Result:
