@@ -163,7 +163,7 @@ def test_a_conf_file_after_the_drop_in_does_not_shadow(m: simgpu.SimMachine,
 
 
 def copy_of(m: simgpu.SimMachine) -> str:
-    """What `ldcache-shadowed` names as its path: the shadowing copy itself."""
+    """The shadowing copy, which `ldcache-shadowed`'s message names."""
     return str(m.root / COMPAT.lstrip("/") / "libcuda.so.1")
 
 
@@ -183,10 +183,10 @@ def test_check_names_the_conf_file_on_a_ready_node(m: simgpu.SimMachine, cli: Cl
     problems = report["problems"]
     assert isinstance(problems, list) and problems[0]["code"] == "ldcache-shadowed"  # cause
     found = shadowed(report)
-    assert [p["path"] for p in found] == [copy_of(m)]
+    assert [p["path"] for p in found] == [str(conf)]
     message = found[0]["message"]
-    for part in (f"{conf} line 1", COMPAT, "libcuda.so.1", "libnvidia-ptxjitcompiler.so.1",
-                 DRIVER_LIBDIR):
+    for part in (copy_of(m), f"{conf} line 1", COMPAT, "libcuda.so.1",
+                 "libnvidia-ptxjitcompiler.so.1", DRIVER_LIBDIR):
         assert part in message, message
 
 
@@ -199,9 +199,9 @@ def test_check_names_the_conf_file_with_no_driver_root(m: simgpu.SimMachine,
     assert codes(report) == {"root-missing", "ldconf-missing", "ldcache-shadowed",
                              "spec-missing"}, report["problems"]
     found = shadowed(report)
-    assert [p["path"] for p in found] == [copy_of(m)]
+    assert [p["path"] for p in found] == [str(conf)]
     message = found[0]["message"]
-    assert str(conf) in message and COMPAT in message and "libcuda.so.1" in message
+    assert copy_of(m) in message and COMPAT in message and "libcuda.so.1" in message
 
 
 def test_check_names_a_directory_line_of_ld_so_conf_itself(m: simgpu.SimMachine,
@@ -214,7 +214,7 @@ def test_check_names_a_directory_line_of_ld_so_conf_itself(m: simgpu.SimMachine,
     ld_so_conf = m.root / "etc/ld.so.conf"
     ld_so_conf.write_text(f"{COMPAT}\n{ld_so_conf.read_text()}")
     found = shadowed(check_json(cli, m))
-    assert [p["path"] for p in found] == [copy_of(m)]
+    assert [p["path"] for p in found] == [str(ld_so_conf)]
     assert f"{ld_so_conf} line 1 " in found[0]["message"]
 
 

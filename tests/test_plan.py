@@ -86,7 +86,7 @@ def test_stale_files_are_dropped_by_name_even_without_a_current_counterpart() ->
 def test_exact_version_wins_within_a_soname() -> None:
     items = [lib("libnvidia-foo.so.1.0", "libnvidia-foo.so.1"),
              lib(f"libnvidia-foo.so.{V}", "libnvidia-foo.so.1")]
-    chosen = plan.select_libraries(items, [], V, "x86_64")
+    chosen = plan.select_libraries(items, [], V, "x86_64").chosen
     assert [c.name for c in chosen] == [f"libnvidia-foo.so.{V}"]
 
 
@@ -94,7 +94,7 @@ def test_soname_link_decides_when_no_name_has_the_version() -> None:
     items = [lib("libnvidia-egl-wayland.so.1.1.13", "libnvidia-egl-wayland.so.1"),
              lib("libnvidia-egl-wayland.so.1.1.9", "libnvidia-egl-wayland.so.1")]
     links = [link("libnvidia-egl-wayland.so.1", "libnvidia-egl-wayland.so.1.1.13")]
-    chosen = plan.select_libraries(items, links, V, "x86_64")
+    chosen = plan.select_libraries(items, links, V, "x86_64").chosen
     assert [c.name for c in chosen] == ["libnvidia-egl-wayland.so.1.1.13"]
 
 
@@ -108,7 +108,7 @@ def test_open_choice_is_ambiguous() -> None:
 def test_same_file_in_two_staging_dirs_takes_the_first() -> None:
     items = [lib(f"libcuda.so.{V}", "libcuda.so.1", index=1),
              lib(f"libcuda.so.{V}", "libcuda.so.1", index=0)]
-    chosen = plan.select_libraries(items, [], V, "x86_64")
+    chosen = plan.select_libraries(items, [], V, "x86_64").chosen
     assert [c.staged.index for c in chosen] == [0]
 
 
@@ -120,13 +120,13 @@ def test_foreign_arch_32_bit_and_non_libraries_are_skipped(machine: str, bits: i
                                                            kind: str) -> None:
     items = [lib(f"libnvidia-foo.so.{V}", "libnvidia-foo.so.1", machine=machine, bits=bits,
                  kind=kind)]
-    assert plan.select_libraries(items, [], V, "x86_64") == []
+    assert plan.select_libraries(items, [], V, "x86_64").chosen == []
 
 
 def test_aarch64_selects_aarch64() -> None:
     items = [lib(f"libcuda.so.{V}", "libcuda.so.1", machine="aarch64"),
              lib(f"libcuda.so.{V}", "libcuda.so.1", machine="x86_64", index=1)]
-    chosen = plan.select_libraries(items, [], V, "aarch64")
+    chosen = plan.select_libraries(items, [], V, "aarch64").chosen
     assert [c.elf.machine for c in chosen if c.elf] == ["aarch64"]
 
 

@@ -86,7 +86,20 @@ def left_out(cli: Cli, m: simgpu.SimMachine, path: Path, what: str) -> None:
     lib = root_of(m) / "lib" / MA
     copy = lib / path.relative_to(os.path.realpath(m.lib_dir))
     assert not os.path.lexists(copy) or os.path.islink(copy)
-    assert check_json(cli, m)["ok"] is True
+    # Left out is part of the state (issue 21): listed by `check --json` with its
+    # reason, counted in the metrics, shown by `status`; the verdict is unchanged.
+    report = check_json(cli, m)
+    assert report["ok"] is True
+    listed = report["left_out"]
+    assert isinstance(listed, list) and [x["path"] for x in listed] == [str(path)], listed
+    assert what in listed[0]["reason"], listed
+    status = cli(m.root, "status").stdout
+    assert "Left out:       1 staged library" in status and str(path) in status, status
+    metrics = m.root / "var/lib/prometheus/node-exporter"
+    metrics.mkdir(parents=True, exist_ok=True)
+    assert cli(m.root, "check", "--metrics").code == 0
+    text = (metrics / "unbounded_nvidia_setup.prom").read_text()
+    assert "\nunbounded_nvidia_setup_staging_left_out_files 1\n" in text, text
 
 
 # --------------------------------------------------------------------------------------
@@ -224,6 +237,30 @@ def test_plain_copy_where_the_root_has_its_own_link(live: simgpu.SimMachine,
     assert out.code == 0 and not [x for x in out.lines if x.startswith("warning")], out.lines
     assert os.readlink(root_of(live) / "lib" / MA / "libcuda.so.1") == \
         f"libcuda.so.{live.version}"
+    assert check_json(cli, live)["left_out"] == []  # nothing is wrong with the host
+
+
+def test_a_refused_first_boot_shows_its_cause_in_check_and_metrics(
+        m: simgpu.SimMachine, cli: Cli) -> None:
+    """No live root yet, a libcuda without DT_SONAME: `check` says staging-invalid with
+    the run's own line (not only what is missing), and the run's metrics say the same,
+    so a host agent can tell "repair the host's driver" from "wait"."""
+    path = staged(m, f"libcuda.so.{m.version}")
+    elfbuild.compile_so(path, None)
+    metrics = m.root / "var/lib/prometheus/node-exporter"
+    metrics.mkdir(parents=True)
+    out = cli(m.root, "run")
+    assert out.code == 1 and len(out.errors) == 1, out.stderr
+    line = out.errors[0].removeprefix("error: ")
+    report = check_json(cli, m)
+    problems = report["problems"]
+    assert isinstance(problems, list)
+    invalid = [p["message"] for p in problems if p["code"] == "staging-invalid"]
+    assert len(invalid) == 1 and line.startswith(invalid[0]), (line, problems)
+    assert str(path) in invalid[0]
+    text = (metrics / "unbounded_nvidia_setup.prom").read_text()
+    assert 'check_problems{code="staging-invalid"} 1\n' in text, text
+    assert "unbounded_nvidia_setup_run_success 0\n" in text, text
 
 
 @pytest.mark.parametrize("name,soname", [

@@ -10,7 +10,7 @@ from typing import Any
 from . import devices, discover, driver, ldconf, ldsoconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
-from .plan import ACTIVE_LINKS, Manifest
+from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, Problem, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
@@ -34,6 +34,9 @@ class Report:
     # now; the unit's ActiveState and SubState (None: systemd not reachable or not asked).
     setup_running: bool = False
     unit: tuple[str, str] | None = None
+    # Staged libraries planning leaves out of the root (plan.LeftOut): not a problem (the
+    # verdict ignores them), but a host whose driver installation is damaged.
+    left_out: tuple[LeftOut, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -57,7 +60,8 @@ class Report:
             "schema_version": SCHEMA_VERSION, "verdict": self.verdict, "ok": self.ok,
             "gpu": self.gpu, "driver_version": self.driver_version,
             "module_version": self.module_version, "setup_running": self.setup_running,
-            "problems": [asdict(p) for p in self.problems], **self.sections}
+            "problems": [asdict(p) for p in self.problems],
+            "left_out": [asdict(left) for left in self.left_out], **self.sections}
         if self.unit is not None:
             out["unit"] = {"name": UNIT, "active_state": self.unit[0],
                            "sub_state": self.unit[1]}
@@ -125,6 +129,8 @@ def _check_root(machine: Machine, report: Report,
         code = "root-not-directory" if os.path.lexists(live) else "root-missing"
         report.problems.append(Problem(code, f"driver root {live} is missing or not a "
                                        "directory", str(live)))
+        if want is None:  # a first boot the run refuses: why, in the run's own words
+            _plan_staging(machine, report, missing_ok=True)
         return None, None
     versions = root_version(live, machine.libdir)
     sizes = [v[1] for v in have.values() if len(v) == 4]
@@ -155,22 +161,35 @@ def _check_root(machine: Machine, report: Report,
                                            f"what this run built: {difference}", str(live)))
         return version, sonames
     # What the staging mounts call for now: catches tampering and staging that changed.
+    staged = _plan_staging(machine, report)
+    if staged is not None:
+        difference = tree.describe_difference(staged.manifest(), have)
+        if difference != "identical":
+            report.problems.append(Problem("root-out-of-date",
+                                           f"driver root differs from staging: {difference}",
+                                           str(live)))
+    return version, sonames
+
+
+def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False) -> Plan | None:
+    """The plan the staging mounts make now, as a run would make it, and what it leaves
+    out; None when there is none. Planning's refusal is `staging-invalid` with the run's
+    own line. Staging not mounted is `staging-missing`, unless `missing_ok` (no root to
+    compare: `root-missing` already says what is wrong)."""
     try:
         dirs = discover.staging_dirs(machine)
         if not dirs or not all(discover.is_populated(d) for d in dirs):
-            report.problems.append(Problem("staging-missing", "driver staging is not mounted: "
-                                           "cannot compare the root with it",
-                                           machine.staging_parent))
-        else:
-            staged = driver.resolve(machine, dirs, report.module_version).manifest()
-            difference = tree.describe_difference(staged, have)
-            if difference != "identical":
-                report.problems.append(Problem("root-out-of-date",
-                                               f"driver root differs from staging: {difference}",
-                                               str(live)))
+            if not missing_ok:
+                report.problems.append(Problem("staging-missing", "driver staging is not "
+                                               "mounted: cannot compare the root with it",
+                                               machine.staging_parent))
+            return None
+        staged = driver.resolve(machine, dirs, report.module_version)
     except Failure as e:
         report.problems.append(Problem("staging-invalid", e.message, machine.staging_parent))
-    return version, sonames
+        return None
+    report.left_out = staged.left_out
+    return staged
 
 
 def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
@@ -222,12 +241,15 @@ def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | No
         report.problems += ldconf.cache_problems(machine, sonames)
 
 
-def collect(machine: Machine, want: Manifest | None = None) -> Report:
+def collect(machine: Machine, want: Manifest | None = None,
+            left_out: tuple[LeftOut, ...] = ()) -> Report:
     """Everything `check` reports. With `want` (a run verifying its own end state), the
-    root is compared with what the run built instead of resolving staging again, and the
-    device plugin's spec, which the plugin rewrites after kubelet starts, is left out."""
+    root is compared with what the run built instead of resolving staging again (and
+    `left_out` is what its plan left out), and the device plugin's spec, which the
+    plugin rewrites after kubelet starts, is left out."""
     gpu = discover.has_gpu(machine)
-    report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine))
+    report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine),
+                    left_out=left_out)
     if not gpu:
         try:
             staged = discover.populated_staging(machine)
@@ -318,6 +340,11 @@ def render_status(machine: Machine, report: Report) -> str:
                if spec.get("present") else "(missing)"),
             f"Device plugin:  {plugin['path'] + ' (present)' if plugin else 'no spec yet'}",
         ]
+    if report.left_out:
+        lines.append(f"Left out:       {len(report.left_out)} staged "
+                     f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "
+                     "driver installation is damaged)")
+        lines += [f"  {left.path}: {left.reason}" for left in report.left_out]
     lines.append(f"Problems:       {len(report.problems) or 'none'}")
     lines += [f"  [{p.code}] {p.message}" for p in report.problems]
     return "\n".join(lines)

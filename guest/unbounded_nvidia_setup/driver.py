@@ -31,9 +31,12 @@ def resolve(machine: Machine, dirs: list[Path], module_version: str | None) -> p
     # select_libraries leaves out what it cannot link, and the run would then call it
     # missing.
     plan.check_required(libraries, version, machine.arch)
-    selected = plan.select_libraries(libraries, found.links, version, machine.arch,
-                                     machine.config.extra_library_prefixes)
+    selection = plan.select_libraries(libraries, found.links, version, machine.arch,
+                                      machine.config.extra_library_prefixes)
+    for left in selection.left_out:
+        log.warn(f"ignoring {left.path}: {left.reason}")
     helpers = _inspect_all(found.helpers)
     firmware = [(v, i) for v, s in found.firmware
                 if v == version and (i := discover.inspect(s)) is not None]
-    return plan.make_plan(selected, helpers, firmware, version, machine.arch, machine.libdir)
+    return plan.make_plan(selection.chosen, helpers, firmware, version, machine.arch,
+                          machine.libdir, selection.left_out)

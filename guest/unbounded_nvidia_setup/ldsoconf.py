@@ -249,5 +249,7 @@ def todo(shadow: Shadow) -> str:
 
 def problems(machine: Machine, sonames: Iterable[str],
              leftovers: Iterable[Path] = ()) -> list[Problem]:
-    return [Problem("ldcache-shadowed", describe(machine, s), str(machine.at(first_copy(s))))
+    # `path` stays the conf file, as within schema 1 it always was; the message names the
+    # copy, which is what the operator removes.
+    return [Problem("ldcache-shadowed", describe(machine, s), str(machine.at(s.where.conf)))
             for s in shadows(machine, sonames, leftovers)]

@@ -93,7 +93,8 @@ def write_check(machine: Machine, report: Report, checked_at: float) -> None:
 def _report_lines(report: Report, checked_at: float) -> list[str]:
     return list(_check_lines(report.gpu, report.driver_version, report.module_version,
                              report.sections.get("driver_root", {}),
-                             [p.code for p in report.problems], checked_at))
+                             [p.code for p in report.problems], checked_at,
+                             len(report.left_out)))
 
 
 def _family(name: str, kind: str, help_text: str) -> list[str]:
@@ -126,7 +127,8 @@ def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterato
 
 
 def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
-                 root: dict[str, Any], codes: list[str], checked_at: float) -> Iterator[str]:
+                 root: dict[str, Any], codes: list[str], checked_at: float,
+                 left_out: int = 0) -> Iterator[str]:
     yield from _family("driver_info", "gauge", "Driver version of the driver root and "
                        "version of the loaded kernel module (empty when unknown).")
     yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
@@ -136,6 +138,9 @@ def _check_lines(gpu: bool, driver_version: str | None, module_version: str | No
                       root.get("files", 0))
     yield from _gauge("driver_root_bytes", "Bytes in the driver root's files.",
                       root.get("bytes", 0))
+    yield from _gauge("staging_left_out_files", "Staged driver libraries the last check's "
+                      "plan left out of the root (a damaged host driver installation; not a "
+                      "problem: `check --json` lists them).", left_out)
     yield from _gauge("check_ok", "1 when the last check found no problem.", int(not codes))
     yield from _gauge("check_timestamp_seconds", "Unix time of the last check (a run's "
                       "end-state check included).", _number(checked_at))

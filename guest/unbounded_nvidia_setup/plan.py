@@ -10,7 +10,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import log
 from .discover import (
     SAFE_NAME,
     VDPAU,
@@ -165,37 +164,56 @@ def _not_usable(item: Inspected, arch: str) -> str:
     return f"is {elf.kind}, not a shared library (ET_DYN)"
 
 
-def _reserved(item: Inspected) -> bool:
+@dataclass(frozen=True)
+class LeftOut:
+    """A staged library planning leaves out of the root, and why: the caller logs it and
+    `check` reports it (the host's driver installation is damaged, though the rest of the
+    driver works)."""
+
+    path: str
+    reason: str
+
+
+def _reserved(item: Inspected) -> tuple[bool, LeftOut | None]:
     """A regular file under one of the root's own link names: left out. A plain copy of
     the link's target (libcuda.so.1 copied instead of linked) is the same library as the
-    one chosen for that SONAME; anything else there is a mistake worth a warning."""
+    one chosen for that SONAME, and nothing is wrong; anything else there is a mistake
+    worth reporting."""
     if item.staged.subdir or item.name not in RESERVED_NAMES:
-        return False
+        return False, None
     soname = item.elf.soname if item.elf else None
     if soname == LINKER_NAMES.get(item.name, item.name):
-        log.debug(f"ignoring {item.staged.path}: a copy where the driver root has a link")
-    else:
-        log.warn(f"ignoring {item.staged.path}: the driver root has its own link there, and "
-                 f"this file has {_describe_soname(soname)}")
-    return True
+        return True, None
+    return True, LeftOut(str(item.staged.path), "the driver root has its own link there, "
+                         f"and this file has {_describe_soname(soname)}")
+
+
+@dataclass(frozen=True)
+class Selection:
+    chosen: list[Inspected]
+    left_out: list[LeftOut]
 
 
 def select_libraries(inspected: Iterable[Inspected], links: Iterable[Link], version: str,
-                     arch: str, extra_prefixes: tuple[str, ...] = ()) -> list[Inspected]:
+                     arch: str, extra_prefixes: tuple[str, ...] = ()) -> Selection:
     """One file per SONAME: the one named for the driver version, else the one the staging
     dir's SONAME link points at; a choice still open is an error. A library whose SONAME
     cannot be its link's name (soname_problem), or a regular file under one of the root's
-    own link names, is left out with a warning; the required libraries were checked
-    before (check_required), so this never leaves out libcuda or libnvidia-ml."""
+    own link names, is left out and named in `left_out`; the required libraries were
+    checked before (check_required), so this never leaves out libcuda or libnvidia-ml."""
     groups: dict[tuple[str, str], list[Inspected]] = defaultdict(list)
+    left_out: list[LeftOut] = []
     for item in inspected:
         if _usable(item, arch, ("ET_DYN",)):
-            if _reserved(item):
+            reserved, why = _reserved(item)
+            if why is not None:
+                left_out.append(why)
+            if reserved:
                 continue
             if problem := soname_problem(item, extra_prefixes):
                 assert item.elf is not None
-                log.warn(f"ignoring {item.staged.path}: its DT_SONAME "
-                         f"{item.elf.soname!r} {problem}")
+                left_out.append(LeftOut(str(item.staged.path),
+                                        f"its DT_SONAME {item.elf.soname!r} {problem}"))
                 continue
             assert item.elf is not None
             groups[(item.staged.subdir, item.elf.soname or item.name)].append(item)
@@ -210,7 +228,7 @@ def select_libraries(inspected: Iterable[Inspected], links: Iterable[Link], vers
             die(f"ambiguous driver files for {soname}: {names}",
                 hint="remove the extra copies on the host or fix its SONAME links")
         chosen.append(pool[0])  # same name in several staging dirs: the first dir wins
-    return chosen
+    return Selection(chosen, left_out)
 
 
 @dataclass(frozen=True)
@@ -225,6 +243,7 @@ class Plan:
     version: str
     files: tuple[PlannedFile, ...]
     links: tuple[tuple[str, str], ...]  # (path relative to the root, relative target)
+    left_out: tuple[LeftOut, ...] = ()  # staged libraries planning did not take
 
     def sonames(self, directory: str) -> set[str]:
         """DT_SONAMEs of the files planned directly in `directory` (the library directory
@@ -247,7 +266,7 @@ class Plan:
 
 def make_plan(libraries: list[Inspected], helpers: list[Inspected],
               firmware: list[tuple[str, Inspected]], version: str, arch: str,
-              libdir: str) -> Plan:
+              libdir: str, left_out: Iterable[LeftOut] = ()) -> Plan:
     files: dict[str, PlannedFile] = {}
     links: dict[str, str] = {}
 
@@ -297,4 +316,4 @@ def make_plan(libraries: list[Inspected], helpers: list[Inspected],
         if fw_version == version and dest not in files:
             add(dest, blob, LIBRARY_MODE)
     return Plan(version, tuple(sorted(files.values(), key=lambda f: f.dest)),
-                tuple(sorted(links.items())))
+                tuple(sorted(links.items())), tuple(left_out))

@@ -12,7 +12,7 @@ from .config import Machine
 from .lock import locked
 from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
 from .metrics import RunRecord
-from .plan import Manifest, Plan
+from .plan import LeftOut, Manifest, Plan
 from .run import find_program
 from .verify import changed_copies, root_problems
 
@@ -153,7 +153,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             with ldconf.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 ldconf.check_ldconfig(ldconfig.wait())
-            _install_and_prove(machine, undo, spec, want, record)
+            _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
             raise
@@ -237,7 +237,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         spec = generator.spec(plan.version, helpers)
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
-            changed = _install_and_prove(machine, undo, spec, want, record)
+            changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
             raise
@@ -253,7 +253,7 @@ def _read_or_none(path: Path) -> bytes | None:
 
 
 def _install_and_prove(machine: Machine, undo: Undo, spec: bytes, want: Manifest,
-                       record: RunRecord) -> bool:
+                       record: RunRecord, left_out: tuple[LeftOut, ...]) -> bool:
     """Install the validated spec and prove the end state (the last steps of `run` and of
     `run --spec-only`); True when the spec changed. The caller rolls back on failure."""
     # Set first: an install that fails after its rename (fsync of /etc/cdi) has already
@@ -261,18 +261,19 @@ def _install_and_prove(machine: Machine, undo: Undo, spec: bytes, want: Manifest
     undo.spec_written = True
     changed = cdi.install(machine, spec)
     cdi.remove_shadow(machine)
-    _verify_end_state(machine, want, record)
+    _verify_end_state(machine, want, record, left_out)
     return changed
 
 
-def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord) -> None:
+def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
+                      left_out: tuple[LeftOut, ...]) -> None:
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
     from .check import collect
 
     log.status("Verifying the live driver root, linker cache and CDI spec")
-    report = collect(machine, want)
+    report = collect(machine, want, left_out)
     if report.problems:  # not recorded: the rollback undoes the state it describes
         first, more = report.problems[0], len(report.problems) - 1
         die(f"the live state is wrong after setup: [{first.code}] {first.message}"
@@ -317,7 +318,13 @@ def _resolve_and_build(machine: Machine, force: bool,
     log.info(f"kernel module version: {module or 'not readable'}")
     dirs = wait_for_staging(machine)
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
-    plan = driver.resolve(machine, dirs, module)
+    try:
+        plan = driver.resolve(machine, dirs, module)
+    except Failure:
+        # Nothing changed: the metrics carry check's view, staging-invalid with this very
+        # line, while systemd retries (a first boot has no drift check yet).
+        record.report, record.checked_at = _collect(machine), time.time()
+        raise
     # Before the search order is judged: an older agent's links into the staging are
     # never ours to keep, and in a directory searched before the drop-in (Debian's
     # aarch64-linux-gnu.conf) they would be taken for a package's copies of the driver

@@ -494,6 +494,8 @@ def test_drift_check_runs_while_setup_retries(make_node: NodeFactory) -> None:
         assert values["unbounded_nvidia_setup_check_timestamp_seconds"] >= int(asked), values
         assert values["unbounded_nvidia_setup_check_ok"] == 0, values
         assert values['unbounded_nvidia_setup_check_problems{code="root-missing"}'] == 1
+        # The cause, in the run's own words (issue 21, point 3): libcuda is not staged.
+        assert values['unbounded_nvidia_setup_check_problems{code="staging-invalid"}'] == 1
         # The cause as the failed run left it: exit 1, setup failed (not "wait": 75).
         assert values["unbounded_nvidia_setup_run_success"] == 0, values
         assert values["unbounded_nvidia_setup_run_exit_code"] == 1, values
