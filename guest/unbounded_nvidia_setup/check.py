@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, discover, driver, ldconf, ldsoconf, tree
+from . import devices, discover, driver, holders, ldconf, ldsoconf, tree
 from .config import Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
@@ -287,7 +287,20 @@ def collect(machine: Machine, want: Manifest | None = None,
     _check_spec(machine, report, version)
     if want is None:
         _check_plugin_spec(machine, report, version)
+        # Not in a run's end-state proof: pods that predate the run keep the generation it
+        # replaced until their owners restart them, as the device plugin's spec is
+        # rewritten after kubelet starts. The run never kills pods; check names them.
+        _check_holders(machine, report)
     return report
+
+
+def _check_holders(machine: Machine, report: Report) -> None:
+    for h in holders.stale_holders(machine):
+        where = f", container {h.container[:12]}" if h.container else ""
+        report.problems.append(Problem(
+            "pod-on-old-root", f"pid {h.pid} ({h.comm}{where}) sees {h.mount_point} from a "
+            f"replaced driver root generation ({h.source}): it has the previous driver, or "
+            "none; restart it", str(machine.at(f"/proc/{h.pid}"))))
 
 
 def collect_beside(machine: Machine, busy: bool) -> Report:

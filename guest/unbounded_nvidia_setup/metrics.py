@@ -45,7 +45,7 @@ _CARRY_MAX = 1 << 16
 # Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
 PROBLEM_CODES = (
     "stale-state", "staging-missing", "staging-invalid", "setup-running",
-    "device-missing", "device-stale", "devices-not-bound",
+    "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root",
     "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
     "root-missing-library", "root-library-not-regular", "root-missing-link",
     "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
