@@ -17,7 +17,6 @@ serialise on their own flock and rename a finished tarball into place.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -26,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import rootfs
@@ -66,18 +64,6 @@ def tarball_path() -> Path:
 
 def _log(msg: str) -> None:
     print(f"buildroot: {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    d = rootfs.cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".buildroot.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def in_chroot(tree: Path, script: str, *, timeout: float,
@@ -136,7 +122,7 @@ def ensure_tarball() -> Path:
     final = tarball_path()
     if final.is_file():
         return final
-    with _lock():
+    with rootfs.cache_lock(".buildroot.lock"):
         if not final.is_file():
             for stale in rootfs.cache_dir().glob(f"buildroot-{rootfs.SUITE}-*.tar"):
                 stale.unlink()

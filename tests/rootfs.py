@@ -186,10 +186,12 @@ def _log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def _cache_lock() -> Iterator[None]:
+def cache_lock(name: str = ".lock") -> Iterator[None]:
+    """An exclusive flock on ``name`` in the cache dir: one builder of a cached tree at a
+    time, across test processes."""
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".lock", "w") as fh:
+    with open(d / name, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -308,7 +310,7 @@ def ensure_tarball() -> Path:
     final = tarball_path()
     if final.is_file():
         return final
-    with _cache_lock():
+    with cache_lock():
         if not final.is_file():
             _remove_stale({final, tree_path()})
             _build_tarball(final)
@@ -328,7 +330,7 @@ def ensure_tree() -> Path:
     if tree.is_dir():
         return tree
     tar = ensure_tarball()
-    with _cache_lock():
+    with cache_lock():
         if not tree.is_dir():
             for leftover in tree.parent.glob(".tree-*"):
                 _rmtree(leftover)
