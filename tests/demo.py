@@ -164,9 +164,17 @@ def main() -> int:
               f"{[n for n in names if n.startswith(('libcuda.so.', 'libnvidia-ml.so.'))]}")
         shutil.move(work / "hidden", root / "run/host-nvidia")
 
-        step("The GPU goes away: run removes what it made, and succeeds")
+        step("The devices do not arrive (the host's module did not load): run keeps "
+             "everything and says so (exit 75, systemd retries)")
         for node in (root / "dev").glob("nvidia*"):
             node.unlink()
+        if tool(root, "run", check=False).returncode != 75:
+            raise SystemExit("demo: expected exit 75 for staging without devices")
+        tool(root, "check", check=False)
+
+        step("The GPU goes away, and its staging with it: run removes what it made, "
+             "and succeeds")
+        shutil.rmtree(root / "run/host-nvidia")
         tool(root, "run")
         tool(root, "check")
 
