@@ -70,12 +70,12 @@ def assert_gets_the_driver(report: dict[str, Any], version: str) -> None:
 
 
 def plugin_generate(m: simgpu.SimMachine, out_dir: Path) -> list[str]:
-    """The device plugin's own generation (cdi-cri strategy): the driver root alone, in
-    the mode the node's own spec is made in (NVML where a GPU answers it)."""
+    """The device plugin's own generation (cdi-cri strategy): the driver root alone.
+    Management mode: with every hook on, NVML mode adds disable-device-node-modification,
+    which the nvidia-cdi-hook stand-in does not play."""
     return [str(toolkit.NVIDIA_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
-            f"--dev-root={m.root}", *m.nvidia_ctk_args(),
-            "--vendor=k8s.device-plugin.nvidia.com", "--class=gpu",
-            f"--output={out_dir / PLUGIN_SPEC}"]
+            f"--dev-root={m.root}", "--mode=management", "--vendor=k8s.device-plugin.nvidia.com",
+            "--class=gpu", f"--output={out_dir / PLUGIN_SPEC}"]
 
 
 def links_into_staging(m: simgpu.SimMachine, version: str) -> None:
