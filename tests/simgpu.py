@@ -15,12 +15,16 @@ Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version):
     run/host-nvidia/1/            host bin dir: HELPERS (real executables) + unrelated programs
     run/host-nvidia/2/            host firmware dir: nvidia/<ver>/gsp_*.bin (+ a stale version)
     dev/nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools nvidia-modeset   (char devices)
-    proc/driver/nvidia/version    kernel module version, real format
+    proc/driver/nvidia/version    kernel module version, real format (open or proprietary)
+    proc/driver/nvidia/gpus/<bus>/information   one per GPU (uuid, device minor): the GPUs
+                                  answer NVML, for the nvidia-ctk stand-in (nvml.kernel_gpus)
     proc/devices                  as the kernel writes it, with the nodes' majors
     etc/ld.so.conf, etc/ld.so.conf.d/{libc,x86_64-linux-gnu}.conf   Debian's own, verbatim
     lib -> usr/lib, usr/lib/x86_64-linux-gnu/, usr/local/lib/, run/lock/   (merged /usr)
 
-A machine made with ``gpu=False`` is a CPU node: no device nodes and no staging.
+A machine made with ``gpu=False`` is a CPU node: no device nodes and no staging. One made
+with ``nvml=False`` has GPUs no NVML answers (the real nvidia-ctk on this GPU-less host
+sees every machine so): its config then asks for ``--mode=management``.
 :func:`debian_linker_files` gives a machine another architecture's conf files (arm64:
 ``aarch64-linux-gnu.conf``, which sorts before the drop-in), and
 :func:`leave_old_agent_links` the older agent's leftovers, made as it made them.
@@ -88,6 +92,7 @@ class SimMachine:
     hostile: list[str]  # names in lib_dir a correct tool must skip
     unrelated: list[str]  # unrelated names in lib_dir (libraries, links and other files)
     devices: list[str]  # names under dev/
+    nvml_gpus: list[str]  # uuids of the GPUs that answer NVML, in device index order
 
     multiarch: str = MULTIARCH
 
@@ -107,14 +112,26 @@ class SimMachine:
     def config_path(self) -> Path:
         return self.root / "etc" / "unbounded" / "nvidia-setup.yaml"
 
+    @property
+    def nvml_answers(self) -> bool:
+        """Whether the tests' nvidia-ctk finds a GPU through NVML here: the stand-in does
+        on a machine whose GPUs answer; the real one, on this GPU-less host, never."""
+        return bool(self.nvml_gpus) and not toolkit.REAL
+
+    def nvidia_ctk_args(self) -> list[str]:
+        """The product's default (no --mode: nvidia-ctk's auto, NVML mode on a GPU node)
+        where NVML answers; ``--mode=management`` where it cannot."""
+        return [] if self.nvml_answers else ["--mode=management"]
+
     def write_config(self, **overrides: object) -> Path:
         """Write ``<root>/etc/unbounded/nvidia-setup.yaml``. Defaults: ``nvidia_ctk`` =
-        the tests' nvidia-ctk (tests/toolkit.py), ``nvidia_ctk_args: ["--mode=management"]``.
+        the tests' nvidia-ctk (tests/toolkit.py), ``nvidia_ctk_args`` =
+        :meth:`nvidia_ctk_args` (none, the shipped default, unless no NVML answers).
         A key overridden with None is left out. Values are written as JSON flow
         scalars/lists, which YAML reads unchanged."""
         values: dict[str, object] = {
             "nvidia_ctk": str(toolkit.NVIDIA_CTK),
-            "nvidia_ctk_args": ["--mode=management"],
+            "nvidia_ctk_args": self.nvidia_ctk_args(),
         }
         values.update(overrides)
         lines = ["# written by tests/simgpu.py"]
@@ -259,6 +276,8 @@ def make_machine(
     scale: float = 0.0,
     libcuda_link: bool = True,
     toolkit_libs: bool = True,
+    nvml: bool = True,
+    module_flavor: str | None = None,
 ) -> SimMachine:
     """Build a simulated GPU machine under ``root`` (see the module docstring).
 
@@ -266,7 +285,10 @@ def make_machine(
     ``proc/driver/nvidia/version``. ``scale`` multiplies the realistic sizes (0: tiny
     files, 1.0: a full-size ~0.8 GB driver). ``libcuda_link=False`` leaves out
     ``libcuda.so.1`` and ``libcuda.so``. ``toolkit_libs`` adds CUDA toolkit / container
-    toolkit libraries (TOOLKIT_LIBS) that are not driver files."""
+    toolkit libraries (TOOLKIT_LIBS) that are not driver files. ``nvml``: the GPUs
+    answer NVML (:func:`add_gpu_information`); False: no GPU does. ``module_flavor``:
+    the kernel module's version line, "open" or "proprietary" (:func:`module_version_text`;
+    default :func:`default_module_flavor`, so the suite meets both)."""
     if module_version == SAME_AS_VERSION:
         module_version = version
     root = Path(root)
@@ -391,19 +413,19 @@ def make_machine(
     devices: list[str] = []
     dev = root / "dev"
     dev.mkdir(parents=True, exist_ok=True)
+    nvml_gpus: list[str] = []
     if gpu:
         for dname, major, minor in drivertables.DEVICES:
             _mknod_char(dev / dname, major, minor)
             devices.append(dname)
+            if nvml and dname[len("nvidia"):].isdigit():
+                nvml_gpus.append(add_gpu_information(root, minor, version))
 
     if module_version is not None:
         proc = root / "proc" / "driver" / "nvidia"
-        proc.mkdir(parents=True)
-        (proc / "version").write_text(
-            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {module_version}  "
-            "Tue Oct  8 03:13:40 UTC 2024\n"
-            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14) \n"
-        )
+        proc.mkdir(parents=True, exist_ok=True)
+        flavor = module_flavor or default_module_flavor(module_version)
+        (proc / "version").write_text(module_version_text(module_version, flavor))
 
     debian_linker_files(root, MULTIARCH)
     write_proc_devices(root, devices_present=gpu)
@@ -429,7 +451,91 @@ def make_machine(
         hostile=hostile_names,
         unrelated=unrelated_names,
         devices=devices,
+        nvml_gpus=nvml_gpus,
     )
+
+
+# --------------------------------------------------------------------------------------
+# What the kernel module says
+
+
+MODULE_FLAVORS = ("open", "proprietary")
+
+
+def default_module_flavor(version: str) -> str:
+    """The open kernel module from 550 on (the simulated default, 550.127.05, and the real
+    550 set), the proprietary one before (535, the stale drivers): the suite meets both.
+    (NVIDIA's installer defaults to the open modules from 560; GB300 hosts need them.)"""
+    major = version.split(".", 1)[0]
+    return "open" if major.isdigit() and int(major) >= 550 else "proprietary"
+
+
+def module_version_text(version: str, flavor: str = "proprietary",
+                        arch: str = "x86_64") -> str:
+    """``/proc/driver/nvidia/version`` as each module writes it (kernel-open/nvidia and
+    the proprietary nvidia.ko: "NVRM version: " + its banner, two spaces around the
+    version; the open one adds "Release Build" and its builder), then the GCC line.
+    ``arch``: the kernel's, x86_64 or aarch64."""
+    if flavor == "open":
+        banner = (f"NVIDIA UNIX Open Kernel Module for {arch}  {version}  Release Build  "
+                  "(dvs-builder@U16-I3-D08-2-2)  Tue Oct  8 02:55:37 UTC 2024")
+    elif flavor == "proprietary":
+        banner = f"NVIDIA UNIX {arch} Kernel Module  {version}  Tue Oct  8 03:13:40 UTC 2024"
+    else:
+        raise ValueError(f"module flavor {flavor!r}: expected one of {MODULE_FLAVORS}")
+    return (f"NVRM version: {banner}\n"
+            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14) \n")
+
+
+def gpu_uuid(minor: int) -> str:
+    """A stable GPU uuid for the GPU at /dev/nvidia<minor>, in NVML's form."""
+    import uuid
+
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"unbounded-nvidia-setup/gpu/{minor}"))
+
+
+def add_gpu_information(root: Path, minor: int, firmware: str = DEFAULT_VERSION) -> str:
+    """The kernel module's ``proc/driver/nvidia/gpus/<PCI bus id>/information`` for the GPU
+    at /dev/nvidia<minor> (the real file's lines and tabs): the nvidia-ctk stand-in's
+    NVML lists the GPUs written so (tests/fakes/nvidia_ctk/nvml.py kernel_gpus). Returns
+    the GPU's uuid."""
+    uuid = gpu_uuid(minor)
+    bus = f"0000:{0x17 + 0x10 * minor:02x}:00.0"
+    info = root / "proc" / "driver" / "nvidia" / "gpus" / bus / "information"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text(
+        "Model: \t\t NVIDIA H100 80GB HBM3\n"
+        f"IRQ:   \t\t {120 + minor}\n"
+        f"GPU UUID: \t {uuid}\n"
+        "Video BIOS: \t 96.00.74.00.0d\n"
+        "Bus Type: \t PCIe\n"
+        "DMA Size: \t 52 bits\n"
+        "DMA Mask: \t 0xfffffffffffff\n"
+        f"Bus Location: \t {bus}\n"
+        f"Device Minor: \t {minor}\n"
+        f"GPU Firmware: \t {firmware}\n"
+        "GPU Excluded:\t No\n"
+    )
+    return uuid
+
+
+def silence_nvml(m: SimMachine) -> None:
+    """The machine's GPUs no longer answer NVML (their information files go): nvidia-ctk's
+    default mode then fails as it does without a GPU."""
+    shutil.rmtree(m.root / "proc" / "driver" / "nvidia" / "gpus", ignore_errors=True)
+    m.nvml_gpus.clear()
+
+
+def add_gpu(m: SimMachine, minor: int) -> str:
+    """A GPU arrives (what a reload is for): its /dev/nvidia<minor> (major 195) and, when
+    the machine's GPUs answer NVML, its information file. Returns its uuid."""
+    _mknod_char(m.root / "dev" / f"nvidia{minor}", 195, minor)
+    m.devices.append(f"nvidia{minor}")
+    uuid = gpu_uuid(minor)
+    if m.nvml_gpus:
+        add_gpu_information(m.root, minor, m.version)
+        m.nvml_gpus.append(uuid)
+    return uuid
 
 
 # --------------------------------------------------------------------------------------

@@ -60,6 +60,14 @@ from elfmutate import (
 )
 
 BUG = "this is a bug"
+# What a run says when it fails after planning accepted the staging (reconcile.py,
+# cdi.py): nvidia-ctk failed on the root, or the spec it wrote did not validate. Only
+# planning's refusals name a staged file and come before anything is built.
+AFTER_THE_BUILD = ("nvidia-ctk cdi generate failed", "nvidia-ctk cdi generate wrote no spec",
+                   "nvidia-ctk wrote a spec", "; it was not installed")
+# The run's status lines once planning is done: a build, or the spec for a live root
+# that already matches.
+PAST_PLANNING = ("Building driver root for driver", "Generating the CDI spec")
 
 
 # --------------------------------------------------------------------------------------
@@ -323,7 +331,10 @@ def all_cases(libs: dict[str, str | None], ctx: Context) -> list[Case]:
 @dataclass
 class Outcome:
     case: str
-    # ok | refused | bug | traceback | end-state | build-error | changed-live | other | n/a
+    # ok (built, proven, live) | refused (by planning: nothing built) | bug (the new root
+    # failed verification) | end-state (built, swapped in, the end-state proof failed,
+    # rolled back) | rolled-back (built, then nvidia-ctk or the spec's validation failed,
+    # rolled back) | traceback | build-error | changed-live | other | n/a
     # | check-invalid (`check --json` after the run broke its schema)
     kind: str
     code: int
@@ -377,7 +388,7 @@ def classify(case: str, proc: subprocess.CompletedProcess[str], changed: bool) -
     error = errors[-1] if errors else ""
     if "Traceback" in proc.stderr:
         kind, error = "traceback", proc.stderr.strip().splitlines()[-1]
-    elif BUG in proc.stderr:
+    elif BUG in proc.stderr or "failed verification" in error:
         kind = "bug"
     elif proc.returncode == 0:
         kind = "ok"
@@ -387,6 +398,9 @@ def classify(case: str, proc: subprocess.CompletedProcess[str], changed: bool) -
         kind = "build-error"
     elif changed:
         kind = "changed-live"
+    elif (any(word in error for word in AFTER_THE_BUILD)
+          or any(step in proc.stderr for step in PAST_PLANNING)):
+        kind = "rolled-back"
     elif proc.returncode == 1 and len(errors) == 1 and "; " in error:
         kind = "refused"
     else:
@@ -456,6 +470,11 @@ class Bench:
         return out
 
 
+# The outcomes a staged input may have: accepted (built, proven, live), refused by
+# planning (nothing built, nothing live changed), or a mutation that does not apply.
+FINE = frozenset({"ok", "refused", "n/a"})
+
+
 def sample(cases: list[Case], n: int | None, seed: int) -> list[Case]:
     if n is None or n >= len(cases):
         return cases
@@ -498,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     for out in explore(args.real, None if args.all else args.cases, args.seed, args.jobs,
                        args.first_boot):
         results.append(out)
-        mark = "" if out.kind in ("ok", "refused", "n/a") else "  <=="
+        mark = "" if out.kind in FINE else "  <=="
         print(f"{out.kind:12} {out.code:3} {out.case} | {out.error[:160]}{mark}", flush=True)
     counts: dict[str, int] = {}
     for out in results:
@@ -506,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(results)} cases in {time.monotonic() - start:.0f} s: {counts}")
     if args.json:
         args.json.write_text(json.dumps([vars(o) for o in results], indent=1))
-    return 1 if set(counts) - {"ok", "refused", "n/a"} else 0
+    return 1 if set(counts) - FINE else 0
 
 
 if __name__ == "__main__":

@@ -196,3 +196,45 @@ def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli,
                            capture_output=True, text=True, check=True).stdout
     assert ("\tlibcuda.so.1 (libc6,AArch64) => /run/nvidia/driver/lib/aarch64-linux-gnu/"
             "libcuda.so.1") in cache.splitlines()
+
+
+# Each kernel module's /proc/driver/nvidia/version, as simgpu writes it (the real
+# formats: the proprietary nvidia.ko's banner, and the open modules' "Open Kernel Module
+# for <arch> ... Release Build (builder) <date>", what GB300 hosts run), and lines seen
+# from real hosts beside them.
+MODULE_LINES = [
+    *((simgpu.module_version_text("550.127.05", flavor, arch), "550.127.05")
+      for flavor in simgpu.MODULE_FLAVORS for arch in ("x86_64", "aarch64")),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.95.05  Release Build  "
+     "(dvs-builder@U22-I3-B17-02-5)  Tue Sep 23 09:55:41 UTC 2025\n"
+     "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04) \n", "580.95.05"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.02\n", "610.43.02"),
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.309.01  Thu Jul 10 2025\n",
+     "535.309.01"),
+    # No number where the version goes (a development build): nothing to trust.
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  TempVersion  Release Build  "
+     "(bugfix_main)  (buildbrain@x)  Tue Dec 30 15:54:35 PST 2025\n", None),
+]
+
+
+@pytest.mark.parametrize(("text", "version"), MODULE_LINES)
+def test_module_version_from_either_kernel_module(tmp_path: Path, text: str,
+                                                  version: str | None) -> None:
+    from unbounded_nvidia_setup.config import Config, Machine
+    from unbounded_nvidia_setup.discover import module_version
+
+    proc = tmp_path / "proc/driver/nvidia/version"
+    proc.parent.mkdir(parents=True)
+    proc.write_text(text)
+    assert module_version(Machine(root=tmp_path, config=Config(), arch="x86_64")) == version
+
+
+def test_simulated_machines_carry_both_kernel_modules(tmp_path: Path) -> None:
+    """The default machine runs the open module, a 535 one the proprietary one, so both
+    lines go through every scenario that reads the module version."""
+    for version, banner in (("550.127.05", "Open Kernel Module for x86_64  550.127.05  "),
+                            ("535.183.01", "NVIDIA UNIX x86_64 Kernel Module  535.183.01  ")):
+        m = simgpu.make_machine(tmp_path / version, version, stale_versions=(), unrelated=0,
+                                helpers=False, firmware=False, toolkit_libs=False)
+        text = (m.root / "proc/driver/nvidia/version").read_text()
+        assert text.startswith(f"NVRM version: NVIDIA UNIX {banner}"[:13]) and banner in text

@@ -319,6 +319,7 @@ def test_nvml_failure_reaches_the_journal_with_its_cause(live: simgpu.SimMachine
     initialise, as without a GPU: its error and its warning that NVML failed are in the
     journal at warning level, and the run's one error line quotes its error's message,
     not its raw logrus line."""
+    simgpu.silence_nvml(live)
     live.write_config(staging_wait_seconds=0, nvidia_ctk_timeout_seconds=5,
                       lock_timeout_seconds=1, nvidia_ctk_args=None)
     recorded = Recorded(cli)

@@ -884,3 +884,33 @@ def test_corrupt_knob(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None
     result = generate(driver_root.path, tmp_path / "x.yaml", FAKE_NVIDIA_CTK_CORRUPT="garbage")
     assert_failed(result, "no NVIDIA device nodes found")
     assert ctk("cdi", "generate", FAKE_NVIDIA_CTK_CORRUPT="bogus").returncode == 2
+
+
+@needs_root
+def test_nvml_finds_the_gpus_a_simulated_kernel_module_lists(
+    driver_root: Tree, dev_root: Tree, tmp_path: Path
+) -> None:
+    """Without the knob, the GPUs the dev root's simulated kernel module lists
+    (proc/driver/nvidia/gpus/<bus>/information, as tests/simgpu.py writes them) answer
+    NVML: in bus order, each with its uuid and /dev/nvidia<minor>; nvidia-ctk's default
+    mode (auto) is then NVML mode. Without /dev/nvidiactl to reach the module through,
+    or without the files, NVML's init is really called and fails as without a GPU."""
+    import simgpu
+
+    dev_root.chardev("dev/nvidia3", 195, 3)
+    late, first = (simgpu.add_gpu_information(dev_root.path, minor) for minor in (3, 0))
+    out = tmp_path / "nvidia.yaml"
+    result = generate(driver_root.path, out, dev=dev_root.path, mode=None)
+    assert result.returncode == 0, result.stderr
+    spec = load(out)
+    assert [d["name"] for d in spec["devices"]] == ["0", first, "1", late, "all"]
+    by_name = {d["name"]: d["containerEdits"].get("deviceNodes", []) for d in spec["devices"]}
+    assert [n["path"] for n in by_name["1"]] == ["/dev/nvidia3"]
+    assert [n["path"] for n in by_name[first]] == ["/dev/nvidia0"]
+    os.unlink(dev_root.path / "dev/nvidiactl")
+    result = generate(driver_root.path, out, dev=dev_root.path, mode=None)
+    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    dev_root.chardev("dev/nvidiactl", 195, 255)
+    shutil.rmtree(dev_root.path / "proc")
+    result = generate(driver_root.path, out, dev=dev_root.path, mode="nvml")
+    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")

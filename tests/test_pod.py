@@ -70,7 +70,9 @@ def assert_gets_the_driver(report: dict[str, Any], version: str) -> None:
 
 
 def plugin_generate(m: simgpu.SimMachine, out_dir: Path) -> list[str]:
-    """The device plugin's own generation (cdi-cri strategy): the driver root alone."""
+    """The device plugin's own generation (cdi-cri strategy): the driver root alone.
+    Management mode: with every hook on, NVML mode adds disable-device-node-modification,
+    which the nvidia-cdi-hook stand-in does not play."""
     return [str(toolkit.NVIDIA_CTK), "cdi", "generate", f"--driver-root={root_of(m)}",
             f"--dev-root={m.root}", "--mode=management", "--vendor=k8s.device-plugin.nvidia.com",
             "--class=gpu", f"--output={out_dir / PLUGIN_SPEC}"]
@@ -95,6 +97,30 @@ def test_a_pod_gets_the_driver(tmp_path: Path, cli: Cli, major: str) -> None:
     assert_gets_the_driver(pod.probe(etc_cdi=m.cdi_spec.parent).report(), drv.version)
     hidden = pod.probe(etc_cdi=m.cdi_spec.parent, hide=[staging(m)]).report()
     assert_gets_the_driver(hidden, drv.version)
+
+
+def test_a_pod_gets_the_gpu_it_asks_for(tmp_path: Path, cli: Cli) -> None:
+    """nvidia-ctk's default mode on a GPU node (NVML: a device per GPU by index and uuid,
+    plus `all`), through the spec `run` installed: `nvidia.com/gpu=0` gets GPU 0's node
+    and not GPU 1's, GPU 1 by its uuid the other way round, `all` both; each with the
+    driver."""
+    drv = fetch("550")
+    m = ready_machine(tmp_path, cli, drv)
+    if not m.nvml_answers:
+        pytest.skip(f"no GPU answers NVML for {toolkit.NAME} on this host: its spec is "
+                    "management mode's, one device `all`")
+    nodes = {"nvidia0", "nvidia1"}
+    want = {"0": {"nvidia0"}, m.nvml_gpus[1]: {"nvidia1"}, "all": nodes}
+    seen = {}
+    for device in want:
+        report = pod.probe(f"nvidia.com/gpu={device}", etc_cdi=m.cdi_spec.parent,
+                           hide=[staging(m)]).report()
+        # pod.missing asks for GPU 0's node; GPU 1 alone has the rest.
+        gaps = [g for g in pod.missing(report, drv.version)
+                if g != "/dev/nvidia0 and /dev/nvidiactl"]
+        assert gaps == [] and "nvidiactl" in report["devices"], (device, report)
+        seen[device] = nodes & set(report["devices"])
+    assert seen == want
 
 
 def test_the_device_plugins_spec_from_the_driver_root_alone(tmp_path: Path, cli: Cli) -> None:

@@ -44,11 +44,16 @@ def cache_of(m: simgpu.SimMachine, ldconfig: str = "ldconfig") -> list[str]:
 
 
 def arm_machine(tmp_path: Path, ldconfig: str) -> tuple[simgpu.SimMachine, str]:
-    """A GB300-style node: the real arm64 driver staged, Debian's arm64 conf files."""
+    """A GB300-style node: the real arm64 driver staged, Debian's arm64 conf files, the
+    open kernel module's version line for aarch64 (what GB300 hosts run). Management
+    mode: the nvidia-ctk stand-in, an x86_64 process here, cannot load the arm64 NVML
+    that a real arm64 nvidia-ctk would."""
     drv = fetch("arm64")
     m = real_machine(tmp_path, drv)
     simgpu.debian_linker_files(m.root, ARM)
-    m.write_config(arch="aarch64", ldconfig=ldconfig)
+    (m.root / "proc/driver/nvidia/version").write_text(
+        simgpu.module_version_text(drv.version, "open", "aarch64"))
+    m.write_config(arch="aarch64", ldconfig=ldconfig, nvidia_ctk_args=["--mode=management"])
     return m, drv.version
 
 

@@ -38,6 +38,10 @@ def spec_devices(m: simgpu.SimMachine) -> set[str]:
     return nodes
 
 
+def spec_names(m: simgpu.SimMachine) -> list[str]:
+    return [str(d["name"]) for d in load_yaml(m.cdi_spec.read_bytes())["devices"]]
+
+
 def pretend_running(m: simgpu.SimMachine) -> None:
     """containerd and kubelet as the tool sees running programs (/proc/<pid>/comm)."""
     for pid, comm in (("4242", "containerd"), ("4243", "kubelet")):
@@ -47,15 +51,25 @@ def pretend_running(m: simgpu.SimMachine) -> None:
 
 def test_new_device_node_reaches_the_spec_without_touching_the_root(
         m: simgpu.SimMachine, cli: Cli) -> None:
+    """A GPU arrives with pods running. Where NVML answers (nvidia-ctk's default mode)
+    it is a new device `2` and its uuid, beside 0, 1 and all; in management mode its node
+    joins `all`."""
     assert cli(m.root, "run").code == 0
     assert "/dev/nvidia2" not in spec_devices(m)
+    old = m.nvml_gpus[:]
+    if m.nvml_answers:
+        assert spec_names(m) == ["0", old[0], "1", old[1], "all"]
     before = live_state(m)
     pretend_running(m)  # pods keep running: a refresh needs no --force
-    os.mknod(m.root / "dev/nvidia2", 0o666 | 0o020000, os.makedev(195, 2))
+    uuid = simgpu.add_gpu(m, 2)
 
     out = cli(m.root, "run", "--spec-only")
     assert out.code == 0, out.stderr
     assert "/dev/nvidia2" in spec_devices(m)
+    if m.nvml_answers:
+        assert spec_names(m) == ["0", old[0], "1", old[1], "2", uuid, "all"]
+    else:
+        assert spec_names(m) == ["all"]
     assert live_state(m) == before
     assert cli(m.root, "check").code == 0
 

@@ -41,15 +41,16 @@ def upgrade_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_node(tmp_path: Path, product_deb: Path) -> Iterator[NodeFactory]:
-    """``make_node(gpu=True, driver=None, **config)`` -> :class:`Node` (see ``harness.new_node``).
+    """``make_node(gpu=True, driver=None, nvml=False, **config)`` -> :class:`Node` (see
+    ``harness.new_node``).
     Every machine booted on it is stopped and its rootfs unmounted and removed after the
     test, pass or fail."""
     nodes: list[Node] = []
 
-    def factory(gpu: bool = True, driver: RealDriver | None = None,
+    def factory(gpu: bool = True, driver: RealDriver | None = None, nvml: bool = False,
                 **config: object) -> Node:
         node = new_node(tmp_path / f"node{len(nodes)}", product_deb, gpu=gpu, driver=driver,
-                        **config)
+                        nvml=nvml, **config)
         nodes.append(node)
         return node
 

@@ -195,11 +195,14 @@ def install_toolkit(root: Path) -> None:
 
 
 def new_node(base: Path, deb: Path, *, gpu: bool = True,
-             driver: realdriver.RealDriver | None = None, **config: object) -> Node:
+             driver: realdriver.RealDriver | None = None, nvml: bool = False,
+             **config: object) -> Node:
     """Under ``base`` (created): a fresh rootfs (overlay over the cached trixie tree) with
     our .deb (``dpkg --root``), the tests' nvidia-ctk and nvidia-cdi-hook in /usr/bin and
     ``/etc/unbounded/nvidia-setup.yaml`` (``nvidia_ctk_args: ["--mode=management"]`` plus
-    ``config``), and a simulated host (carrying the real ``driver`` when one is given, else
+    ``config``; with ``nvml``, the simulated host's own: none, nvidia-ctk's default mode,
+    where the stand-in finds its GPUs answering NVML through the bound /proc/driver), and
+    a simulated host (carrying the real ``driver`` when one is given, else
 simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
     Release it with :func:`destroy_node` (the ``make_node`` fixture does)."""
@@ -216,7 +219,8 @@ simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
         node = Node(rootfs=root, host=host, sim=sim, log_dir=base, gpu=gpu)
         dpkg_install(root, deb)
         install_toolkit(root)
-        node.config(nvidia_ctk_args=["--mode=management"], **config)
+        args = sim.nvidia_ctk_args() if nvml else ["--mode=management"]
+        node.config(**{"nvidia_ctk_args": args, **config})
         if gpu:
             node.staging = {p.name: p for p in sim.staging}
             if (host / "proc/driver").is_dir():

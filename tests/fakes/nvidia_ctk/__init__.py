@@ -34,9 +34,13 @@ Deliberate simplifications (documented, deterministic under tests):
   likewise. No library, or one that cannot be loaded: ERROR_LIBRARY_NOT_FOUND. The init
   runs in a child chrooted into an empty directory (the real library, as root, mknods
   ``/dev/nvidiactl`` in the caller's /dev) and answers ERROR_DRIVER_NOT_LOADED on a
-  machine without a GPU, real library or simulated. Only ``FAKE_NVIDIA_CTK_GPUS`` makes
-  NVML "initialise", listing those GPUs; its driver version is then the version suffix of
-  the file that link resolves to.
+  machine without a GPU, real library or simulated. NVML "initialises" only on a
+  simulated GPU host: the GPUs a kernel module lists in
+  ``<dev root>/proc/driver/nvidia/gpus/<bus>/information`` (``GPU UUID:``, ``Device
+  Minor:``; tests/simgpu.py writes them) while ``<dev root>/dev/nvidiactl`` is a character
+  device, or those of the ``FAKE_NVIDIA_CTK_GPUS`` knob; GPU i of the bus order is device
+  ``i`` (index) and its uuid, with ``/dev/nvidia<minor>``. Its driver version is then the
+  version suffix of the file that link resolves to. MIG devices are not simulated.
 * ``--mode=auto``: the real tool asks go-nvlib for the platform (NVML / Tegra / WSL) and
   falls back to nvml ("Unsupported platform detected ... assuming nvml").  Tegra and WSL are
   not simulated, so auto always resolves to nvml here, exactly as on a non-Tegra, non-WSL

@@ -22,7 +22,7 @@ from .nvcdi import (
     device_names,
     driver_edits,
 )
-from .nvml import Nvml, init_sandboxutils
+from .nvml import Nvml, init_sandboxutils, kernel_gpus
 from .spec import minimum_cdi_version, save
 from .version import V1_18, V1_19, V1_20, Version
 
@@ -234,6 +234,8 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
         log.warning(f"Ignoring error in locating libnvidia-ml.so.1: {exc}")
         nvml_library = None
     gpus = simulated_gpus()
+    if gpus is None:
+        gpus = kernel_gpus(opts.dev_root)
     nvml = Nvml.load(nvml_library, gpus)
     try:
         nvml_version = nvml.driver_version()
@@ -282,8 +284,8 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
                 f"generators: failed to initialize NVML: {error}"
             )
         init_sandboxutils(log, opts.driver_root)
-        for index, uuid in enumerate(nvml.gpus):
-            gpu_edits = device_edits(log, opts.dev_root, [f"/dev/nvidia{index}"], ctk)
+        for index, (uuid, minor) in enumerate(nvml.gpus):
+            gpu_edits = device_edits(log, opts.dev_root, [f"/dev/nvidia{minor}"], ctk)
             for name in device_names(opts.strategies, index, uuid):
                 devices.append((name, gpu_edits))
         common = device_edits(log, opts.dev_root, CONTROL_DEVICE_PATTERNS, ctk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +108,39 @@ def call_isolated(function: Callable[[], int]) -> int:
     return int(text) if text.strip().lstrip("-").isdigit() else 999
 
 
+KERNEL_GPUS_DIR = "proc/driver/nvidia/gpus"
+_INFO_LINE = re.compile(r"^(GPU UUID|Device Minor):\s*(\S+)\s*$", re.M)
+
+
+def kernel_gpus(dev_root: str) -> list[tuple[str, int]]:
+    """The GPUs NVML would find through a loaded kernel module, as this stand-in plays
+    one: each ``<dev root>/proc/driver/nvidia/gpus/<PCI bus id>/information`` (the file
+    the real module writes there, with its ``GPU UUID:`` and ``Device Minor:`` lines),
+    in PCI bus order as NVML enumerates them, while ``<dev root>/dev/nvidiactl`` (the
+    node NVML talks to the module through) is a character device. None: the module is
+    not loaded, NVML's init is really called and answers what the library answers.
+    (The dev root stands for the host the devices are on; the real NVML asks the
+    caller's own kernel.)"""
+    try:
+        if not stat.S_ISCHR(os.stat(os.path.join(dev_root, "dev/nvidiactl")).st_mode):
+            return []
+        buses = sorted(os.listdir(os.path.join(dev_root, KERNEL_GPUS_DIR)))
+    except OSError:
+        return []
+    gpus: list[tuple[str, int]] = []
+    for bus in buses:
+        try:
+            with open(os.path.join(dev_root, KERNEL_GPUS_DIR, bus, "information"),
+                      encoding="utf-8", errors="replace") as f:
+                fields = dict(_INFO_LINE.findall(f.read()))
+        except OSError:
+            continue
+        minor = fields.get("Device Minor", "")
+        if fields.get("GPU UUID", "").startswith("GPU-") and minor.isdigit():
+            gpus.append((fields["GPU UUID"], int(minor)))
+    return gpus
+
+
 @dataclass
 class Nvml:
     """go-nvml against the libnvidia-ml.so.1 found in the driver root.
@@ -117,14 +151,15 @@ class Nvml:
     cannot be loaded is ERROR_LIBRARY_NOT_FOUND. The init is then really called
     (call_isolated): 9, ERROR_DRIVER_NOT_LOADED, from the real and the simulated library
     on a machine without a GPU. FAKE_NVIDIA_CTK_GPUS stands for a GPU machine: NVML
-    initialises and lists those GPUs, without calling the library's init."""
+    initialises and lists those GPUs, without calling the library's init; so do the GPUs
+    of a simulated kernel module (kernel_gpus). ``gpus``: (uuid, device minor) each."""
 
     library: str | None
-    gpus: list[str]
+    gpus: list[tuple[str, int]]
     result: int = 12
 
     @classmethod
-    def load(cls, library: str | None, gpus: list[str]) -> Nvml:
+    def load(cls, library: str | None, gpus: list[tuple[str, int]]) -> Nvml:
         nvml = cls(library, gpus)
         loaded = load_library(library) if library is not None else None
         if loaded is None:
