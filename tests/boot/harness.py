@@ -195,16 +195,23 @@ def install_toolkit(root: Path) -> None:
 
 
 def new_node(base: Path, deb: Path, *, gpu: bool = True,
-             driver: realdriver.RealDriver | None = None, lower: Path | None = None,
-             **config: object) -> Node:
+             driver: realdriver.RealDriver | None = None, **config: object) -> Node:
     """Under ``base`` (created): a fresh rootfs (overlay over the cached trixie tree) with
     our .deb (``dpkg --root``), the tests' nvidia-ctk and nvidia-cdi-hook in /usr/bin and
     ``/etc/unbounded/nvidia-setup.yaml`` (``nvidia_ctk_args: ["--mode=management"]`` plus
     ``config``), and a simulated host (carrying the real ``driver`` when one is given, else
 simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
-    ``lower``: the cached tree to overlay instead of the base one (tests/cri.py's).
     Release it with :func:`destroy_node` (the ``make_node`` fixture does)."""
+    return new_node_on(None, base, deb, gpu=gpu, driver=driver, config=config)
+
+
+def new_node_on(lower: Path | None, base: Path, deb: Path, *, gpu: bool = True,
+                driver: realdriver.RealDriver | None = None,
+                config: dict[str, object] | None = None) -> Node:
+    """:func:`new_node` over ``lower``, another cached tree than the base one (None: the
+    base; tests/cri.py's has containerd)."""
+    config = config or {}
     base.mkdir(parents=True)
     root = base / "rootfs"
     rootfs.fresh_rootfs(root, overlay=True, lower=lower)

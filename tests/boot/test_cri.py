@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import yaml
@@ -35,7 +35,7 @@ from .harness import (
     Node,
     check_json,
     destroy_node,
-    new_node,
+    new_node_on,
     record_timing,
     require,
     snapshot,
@@ -103,8 +103,7 @@ def cri_node(tmp_path: Path, product_deb: Path) -> Iterator[Any]:
 
     def factory(driver: realdriver.RealDriver, **config: object) -> CriNode:
         base = tmp_path / f"node{len(made)}"
-        node = new_node(base, product_deb, driver=driver, lower=lower,
-                        **cast(dict[str, Any], config))
+        node = new_node_on(lower, base, product_deb, driver=driver, config=config)
         state = base / "containerd-state"
         state.mkdir()
         cn = CriNode(node, state, archives, [])
