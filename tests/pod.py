@@ -3,8 +3,9 @@
 Debian's podman applies CDI specs with the same library (tags.cncf.io/container-device-
 interface) that containerd uses; runc runs the container and the spec's createContainer
 hooks (nvidia-cdi-hook's create-symlinks and update-ldcache). The container's root is
-tests/rootfs.py's cached Debian trixie tree (it has python3 and ldconfig), mounted as an
-overlay per container (``--rootfs DIR:O``), so nothing a container does reaches the cache.
+tests/images.py's probe tree, made from this machine's own python3, glibc and ldconfig
+(no debootstrap), mounted as an overlay per container (``--rootfs DIR:O``), so nothing a
+container does reaches the cache.
 
 Each pod runs in a private mount namespace (``unshare --mount --propagation private``)
 where the spec directories given are bind-mounted over ``/etc/cdi`` and
@@ -33,7 +34,7 @@ from typing import Any
 
 import yaml
 
-import rootfs
+import images
 
 TIMEOUT = 60.0
 TOOLS = ("podman", "runc", "unshare")
@@ -132,8 +133,9 @@ class Pod:
 
 
 def image() -> Path:
-    """The container image: the cached Debian trixie tree (built on first use)."""
-    return rootfs.ensure_tree()
+    """The container image: tests/images.py's probe tree (built on first use, about a
+    second, from this machine's own files)."""
+    return images.probe_root()
 
 
 # Shell lines that set up a pod's mount namespace (run's ``setup``), one job each.

@@ -356,19 +356,20 @@ def _write_machine_id(dest: Path) -> None:
     mid.chmod(0o444)
 
 
-def fresh_rootfs(dest: Path, *, overlay: bool = False) -> Path:
+def fresh_rootfs(dest: Path, *, overlay: bool = False, lower: Path | None = None) -> Path:
     """A fresh copy of the cached trixie rootfs at ``dest`` (created; must be empty).
 
     ``overlay=False``: the tarball is extracted into ``dest``.  ``overlay=True``: ``dest``
     becomes an overlayfs mount over the cached extracted tree, with its upper and work
     dirs in ``<dest.parent>/.<dest.name>.overlay``.  Call :func:`remove_rootfs` when done
-    (it handles both)."""
+    (it handles both). ``lower``: another cached tree as the overlay's lower layer (a
+    variant of this one, e.g. tests/cri.py's with containerd)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     if any(dest.iterdir()):
         raise FileExistsError(f"{dest} is not empty")
     if overlay:
-        lower = ensure_tree()
+        lower = lower or ensure_tree()
         layers = _overlay_dirs(dest)
         (layers / "upper").mkdir(parents=True)
         (layers / "work").mkdir()
