@@ -36,7 +36,7 @@ from unbounded_nvidia_setup.budget import Budget, Limit, cap
 from unbounded_nvidia_setup.config import Config, Machine
 
 import simgpu
-from conftest import Cli, Outcome, invoke, needs_root, stand_in_only
+from conftest import Cli, Outcome, invoke, needs_root, needs_tool, stand_in_only
 from test_failures import fails_cleanly, new_driver
 from test_run import check_json, codes, root_of, snapshot
 
@@ -504,7 +504,7 @@ def under_strace_delaying_copies(delay: float) -> Timed:
 
 
 @on_a_machine
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@needs_tool("strace")
 def test_a_copy_that_outlasts_the_budget_changes_nothing(live: simgpu.SimMachine) -> None:
     """The build is no wait, but it spends the same budget: a copy still going when the
     forward part has run out is not swapped in (only to be rolled back at once)."""

@@ -53,7 +53,7 @@ from test_crash import Swapper, assert_whole, swapper
 from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
-from conftest import NVIDIA_CTK, Outcome, needs_root
+from conftest import NVIDIA_CTK, Outcome, needs_root, needs_tool
 from test_run import root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -119,7 +119,7 @@ def test_eight_concurrent_runs(tmp_path: Path) -> None:
     assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@needs_tool("strace")
 def test_a_check_during_a_run_answers_at_once_not_ready_yet(tmp_path: Path) -> None:
     """A run held (by strace) between making the root and installing its drop-in and
     spec: a `check` started then does not wait for the lock (issue 11: a host agent asks

@@ -64,11 +64,11 @@ from unbounded_nvidia_setup.tree import manifest
 
 import realdriver
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 from test_run import root_of, spec_of
 
 pytestmark = [needs_root,
-              pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed"),
+              needs_tool("strace"),
               pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
 NEW = "570.133.20"

@@ -46,14 +46,14 @@ import elfbuild
 import elfmutate
 import realdriver
 import simgpu
-from conftest import Outcome, needs_root
+from conftest import Outcome, needs_root, needs_tool
 from realmachine import real_machine
 from test_realdriver import fetch
 from test_run import snapshot
 
 pytestmark = [
     needs_root,
-    pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed"),
+    needs_tool("strace"),
     pytest.mark.usefixtures("secure_after"),
 ]
 MA = simgpu.MULTIARCH

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from unbounded_nvidia_setup.tree import manifest
 
 import elfbuild
 import simgpu
-from conftest import needs_root, stand_in_only
+from conftest import needs_root, needs_tool, stand_in_only
 from test_failures import new_driver
 from test_run import root_of, snapshot, spec_of
 
@@ -347,7 +346,7 @@ def spread(points: list[Point]) -> list[Point]:
     return [p for i, p in enumerate(points) if i in ends or p.purpose]
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@needs_tool("strace")
 @pytest.mark.parametrize("scenario,syscall", ERROR_CASES)
 def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: str,
                                                 syscall: str) -> None:
