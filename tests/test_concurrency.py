@@ -49,7 +49,7 @@ from invariants import (
     secure_after,  # noqa: F401  (fixture)
     traced,
 )
-from test_crash import Swapper, assert_whole, swapper
+from test_crash import Swapper, assert_whole, held_nvidia_ctk, swapper
 from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
@@ -121,14 +121,15 @@ def test_eight_concurrent_runs(tmp_path: Path) -> None:
 
 @needs_tool("strace")
 def test_a_check_during_a_run_answers_at_once_not_ready_yet(tmp_path: Path) -> None:
-    """A run held (by strace) between making the root and installing its drop-in and
-    spec: a `check` started then does not wait for the lock (issue 11: a host agent asks
-    while the unit is activating). It answers while the run is still held, says
-    `setup_running`, and its verdict is not-ready-yet, not broken. Deterministic where the
-    races below are not: the in-between state is seen to exist (root there, spec not)
-    before the check starts and after it ends."""
+    """A run held at nvidia-ctk (test_crash.held_nvidia_ctk) with its root and drop-in
+    made and its spec not: a `check` started then does not wait for the lock (issue 11: a
+    host agent asks while the unit is activating). It answers while the run is still
+    held, says `setup_running`, and its verdict is not-ready-yet, not broken. The run is
+    let go only after the check answered, so no guess at how long a check takes: a check
+    that waited would answer only once the wrapper gave up (60 s) and the spec was made."""
     m = simgpu.make_machine(tmp_path / "root")
-    m.write_config()
+    wrapper, go = held_nvidia_ctk(tmp_path)
+    m.write_config(nvidia_ctk=str(wrapper))
     seen: list[Outcome] = []
 
     def check_while_held() -> None:
@@ -138,12 +139,11 @@ def test_a_check_during_a_run_answers_at_once_not_ready_yet(tmp_path: Path) -> N
             time.sleep(0.01)
         assert not spec_of(m).exists(), "the run did not stop in between"
         seen.append(run_cli(m.root, "check", "--json"))
-        assert not spec_of(m).exists(), "the check waited for the run"
+        held = not spec_of(m).exists()
+        go.touch()
+        assert held, "the check waited for the run"
 
-    # On a first boot the run's first rename makes the root, its second installs the
-    # drop-in (the spec comes after): hold the second for longer than a check takes.
-    tr = traced(m.root, "run", inject="rename:delay_enter=5s:when=2",
-                during=check_while_held)
+    tr = traced(m.root, "run", during=check_while_held)
     assert tr.outcome.code == 0, tr.outcome.stderr
     [check] = seen
     report = check_report(check)
