@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -108,7 +109,7 @@ def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     (libnvidia-ml.so.1) with NVML's entry points, as the real one has them. Used by the
     nvidia-ctk and nvidia-cdi-hook stand-in tests."""
     if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build real ELF shared objects")
+        unmet("gcc is needed to build real ELF shared objects")
     directory = tmp_path_factory.mktemp("so")
     plain = directory / "empty.c"
     plain.write_text("int fake_symbol;\n")
@@ -130,7 +131,40 @@ def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return build
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, chown)")
+# Under CI (the environment variable CI set, non-empty: .ci/run sets it) a test that
+# cannot run here fails instead of skipping, so a CI run without root or without a tool
+# the suite names cannot pass with part of the suite skipped. Elsewhere it skips, saying
+# why, as before.
+CI = bool(os.environ.get("CI"))
+
+
+def unmet(reason: str) -> NoReturn:
+    """Skip with ``reason``, or fail with it when $CI is set (call from a test or fixture)."""
+    if CI:
+        pytest.fail(f"{reason} [CI is set: this test must run, not skip]", pytrace=False)
+    pytest.skip(reason)
+
+
+def needs(ok: bool, reason: str) -> pytest.MarkDecorator:
+    """A mark: unless ``ok``, the test skips with ``reason`` (fails under CI). Checked in
+    ``pytest_runtest_setup`` below, before any fixture of the test runs."""
+    return pytest.mark.needs(ok=ok, reason=reason)
+
+
+def needs_tool(name: str, why: str = "") -> pytest.MarkDecorator:
+    """A mark: the program ``name`` must be on PATH or be that absolute path."""
+    found = os.access(name, os.X_OK) if os.path.isabs(name) else shutil.which(name) is not None
+    return needs(found, f"{name} not installed{why} (tests/install-deps installs it)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        if not mark.kwargs["ok"]:
+            unmet(str(mark.kwargs["reason"]))
+
+
+needs_root = needs(os.geteuid() == 0, "needs root (mknod, chown)")
 
 
 @pytest.fixture
@@ -147,7 +181,7 @@ def aarch64_ldconfig(tmp_path: Path) -> str:
                 "qemu-aarch64-static not found (tests/install-deps installs qemu-user-static)")
         ldconfig = debian_ldconfig.fetch_ldconfig("arm64")
     except realdriver.RealDriverUnavailable as e:
-        if os.environ.get("CI"):
+        if CI:
             raise  # CI must check the aarch64 linker cache for real
         pytest.skip(f"aarch64 ldconfig unavailable: {e}")
     wrapper = tmp_path / "ldconfig-aarch64"

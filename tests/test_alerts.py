@@ -5,13 +5,11 @@ breaks these tests and not a fleet's alerting."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,7 +17,7 @@ from check_schema import check_report
 from unbounded_nvidia_setup.metrics import FILE
 
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 
 PROMTOOL = "/usr/bin/promtool"
 REPO = Path(__file__).resolve().parent.parent
@@ -27,8 +25,7 @@ RULES = REPO / "docs" / "alerts.yml"
 ALERTS = ("NvidiaSetupFailing", "NvidiaSetupDrift", "NvidiaSetupCheckStale",
           "NvidiaDriverVersionMismatch")
 
-pytestmark = pytest.mark.skipif(not os.path.exists(PROMTOOL),
-                                reason="needs Debian's prometheus (promtool; tests/install-deps)")
+pytestmark = needs_tool(PROMTOOL, " (Debian's prometheus)")
 
 
 def promtool(*args: str) -> None:

@@ -26,7 +26,7 @@ from invariants import (
 )
 
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 from test_run import check_json, codes, root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -159,7 +159,7 @@ def test_a_whole_state_while_a_run_holds_the_lock_is_ready(
     assert (report["setup_running"], report["verdict"]) == (True, "ready")
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@needs_tool("strace")
 @pytest.mark.usefixtures("run_in_progress")
 def test_a_read_torn_by_a_run_is_setup_running(live: simgpu.SimMachine, tmp_path: Path) -> None:
     """A run deletes the old generation after its swap while an unlocked `check` walks the

@@ -4,7 +4,6 @@ staging entries."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -22,7 +21,7 @@ from unbounded_nvidia_setup.elf import CorruptElf, read_elf
 
 import elfbuild
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 from test_run import check_json, root_of
 
 # The security invariants on every machine a test here ran the product on.
@@ -130,7 +129,7 @@ def test_hostile_staging_gives_a_correct_root(tmp_path: Path, cli: Cli) -> None:
 
 
 @needs_root
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@needs_tool("strace")
 def test_special_files_named_like_libraries_are_never_opened_for_reading(
         tmp_path: Path) -> None:
     """A FIFO, a socket and device nodes named like libraries: the run may look at them

@@ -18,7 +18,7 @@ from unbounded_nvidia_setup import run
 
 import elfbuild
 import simgpu
-from conftest import Cli, Outcome, needs_root, stand_in_only
+from conftest import Cli, Outcome, needs_root, needs_tool, stand_in_only
 from test_run import check_json, root_of, snapshot, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -113,7 +113,7 @@ def test_staging_path_that_is_a_symlink(live: simgpu.SimMachine, cli: Cli) -> No
     fails_cleanly(cli, live, 1, "is a symlink, not a directory")
 
 
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) missing")
+@needs_tool("setpriv", " (util-linux)")
 def test_unreadable_staging_dir(live: simgpu.SimMachine, cli: Cli) -> None:
     """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH meets permissions like anyone."""
     live.staging[1].chmod(0)

@@ -27,6 +27,7 @@ from invariants import TRACE_SET, accesses, parse_calls
 import elfbuild
 import realdriver
 import toolkit
+from conftest import needs, unmet
 
 FAKE = Path(__file__).parent / "fakes" / "nvidia-ctk"
 VER = "535.309.01"
@@ -41,9 +42,7 @@ HOOK_FLAGS = (
     "update-ldcache",
 )
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root: mknod of fake /dev/nvidia* character devices"
-)
+needs_root = needs(os.geteuid() == 0, "needs root: mknod of fake /dev/nvidia* character devices")
 pytestmark = pytest.mark.root
 
 
@@ -168,7 +167,7 @@ def driver_root(tree: Callable[[str], Tree]) -> Tree:
 @pytest.fixture
 def dev_root(tree: Callable[[str], Tree]) -> Iterator[Tree]:
     if os.geteuid() != 0:
-        pytest.skip("needs root: mknod of fake /dev/nvidia* character devices")
+        unmet("needs root: mknod of fake /dev/nvidia* character devices")
     dev = tree("devroot")
     dev.chardev("dev/nvidia0", 195, 0)
     dev.chardev("dev/nvidiactl", 195, 255)

@@ -46,14 +46,14 @@ import elfbuild
 import elfmutate
 import realdriver
 import simgpu
-from conftest import Outcome, needs_root
+from conftest import Outcome, needs_root, needs_tool
 from realmachine import real_machine
 from test_realdriver import fetch
 from test_run import snapshot
 
 pytestmark = [
     needs_root,
-    pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed"),
+    needs_tool("strace"),
     pytest.mark.usefixtures("secure_after"),
 ]
 MA = simgpu.MULTIARCH
@@ -697,20 +697,35 @@ def test_library_rewritten_in_place_keeping_its_mtime(m: simgpu.SimMachine,
     assert not list(m.driver_root.parent.glob(".driver.*"))
 
 
-def test_background_writer_appending_to_a_large_library(m: simgpu.SimMachine,
-                                                        tmp_path: Path) -> None:
-    """A writer appends to a 64 MB libcuda the whole time: the run fails cleanly or (if
-    it ever saw a quiet moment) built a root whose copy is a true snapshot."""
+def test_background_writer_rewriting_a_large_library(m: simgpu.SimMachine,
+                                                     tmp_path: Path) -> None:
+    """A writer rewrites a 64 MB libcuda in place the whole time: step i writes i into
+    a field near the end (A), then into one near the start (B), so at every moment A is
+    B or B + 1. The run fails cleanly, or (if it ever saw a quiet moment) built a root
+    whose copy is a true snapshot: the file as it was at one moment, A - B in {0, 1}, every
+    other byte as written, and `check` says ready. (An append-only writer could not tell:
+    every copy of a growing file is a prefix of it.)"""
     cuda = m.lib_dir / f"libcuda.so.{m.version}"
     elfbuild.compile_so(cuda, "libcuda.so.1", size=64 << 20)
+    original = bytearray(cuda.read_bytes())
+    field_b, field_a = 1 << 20, len(original) - 8  # both in elfbuild's padding
     stop = threading.Event()
+    fd = os.open(cuda, os.O_WRONLY)
+
+    def put(offset: int, value: int) -> None:
+        os.pwrite(fd, value.to_bytes(8, "little"), offset)
+
+    put(field_a, 0)
+    put(field_b, 0)
+    original[field_a:field_a + 8] = original[field_b:field_b + 8] = bytes(8)
 
     def writer() -> None:
-        with open(cuda, "ab") as f:
-            while not stop.is_set():
-                f.write(b"\xee" * 16384)
-                f.flush()
-                time.sleep(0.002)
+        step = 0
+        while not stop.is_set():
+            step += 1
+            put(field_a, step)
+            put(field_b, step)
+            time.sleep(0.001)
 
     thread = threading.Thread(target=writer)
     thread.start()
@@ -719,15 +734,25 @@ def test_background_writer_appending_to_a_large_library(m: simgpu.SimMachine,
     finally:
         stop.set()
         thread.join()
+        os.close(fd)
     confined(tr, m, tmp_path)
     if tr.outcome.code == 0:
         copy = (m.driver_lib_dir / cuda.name).read_bytes()
-        assert cuda.read_bytes()[: len(copy)] == copy
+        a = int.from_bytes(copy[field_a:field_a + 8], "little")
+        b = int.from_bytes(copy[field_b:field_b + 8], "little")
+        assert a - b in (0, 1), f"a torn copy: A={a}, B={b}"
+        want = bytearray(original)
+        want[field_a:field_a + 8] = copy[field_a:field_a + 8]
+        want[field_b:field_b + 8] = copy[field_b:field_b + 8]
+        assert copy == want
+        assert check_report(run_cli(m.root, "check", "--json"))["verdict"] == "ready"
         return
     assert tr.outcome.code == 1 and len(tr.outcome.errors) == 1, tr.outcome.lines
     assert "changed" in tr.outcome.errors[0]
     assert not os.path.lexists(m.driver_root)
     assert not list(m.driver_root.parent.glob(".driver.*"))
+    report = check_report(run_cli(m.root, "check", "--json"))
+    assert "root-missing" in {p["code"] for p in report["problems"]}, report
 
 
 # --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from invariants import product_argv, product_env
 from unbounded_nvidia_setup.metrics import FILE, PROBLEM_CODES
 
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 PROMTOOL = "/usr/bin/promtool"
@@ -32,9 +32,8 @@ PRODUCT = REPO / "guest" / "unbounded_nvidia_setup"
 MA = "x86_64-linux-gnu"
 P = "unbounded_nvidia_setup_"
 
-pytestmark = [needs_root, pytest.mark.skipif(
-    not (os.path.exists(NODE_EXPORTER) and os.path.exists(PROMTOOL)),
-    reason="needs Debian's prometheus-node-exporter and prometheus (tests/install-deps)")]
+pytestmark = [needs_root, needs_tool(NODE_EXPORTER, " (Debian's prometheus-node-exporter)"),
+              needs_tool(PROMTOOL, " (Debian's prometheus)")]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -276,7 +275,7 @@ def _metrics_fsync(m: simgpu.SimMachine) -> int:
     return hits[0]
 
 
-@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+@needs_tool("strace")
 def test_a_run_killed_while_writing_leaves_the_previous_file(
         m: simgpu.SimMachine, cli: Cli, exporter: NodeExporter) -> None:
     """SIGKILL between writing the temp file and renaming it: node_exporter keeps serving

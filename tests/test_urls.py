@@ -10,9 +10,8 @@ import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pytest
-
 import mirrors
+from conftest import unmet
 
 REPO = Path(__file__).resolve().parent.parent
 DIRS = ("guest", "tests", "bench", "packaging")
@@ -43,7 +42,7 @@ def tracked_files() -> list[Path]:
     out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--", *DIRS],
                          capture_output=True, check=False)
     if out.returncode != 0:
-        pytest.skip("not a git checkout")
+        unmet("not a git checkout (or git missing)")
     return [REPO / name for name in out.stdout.decode().split("\0") if name]
 
 
@@ -76,7 +75,7 @@ def test_the_rule_catches_a_mirror() -> None:
 def test_no_host_of_this_machines_apt_sources_is_written_anywhere() -> None:
     hosts = {urlsplit(source.uri).hostname for source in mirrors.read_sources()} - {None, ""}
     if not hosts:
-        pytest.skip("this machine's apt configuration names no source")
+        unmet("this machine's apt configuration names no source")
     hits = []
     for path in tracked_files():
         text = path.read_text(errors="replace")

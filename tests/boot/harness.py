@@ -206,11 +206,11 @@ def new_node(base: Path, deb: Path, *, gpu: bool = True,
 simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
     Release it with :func:`destroy_node` (the ``make_node`` fixture does)."""
-    return new_node_on(None, base, deb, gpu=gpu, driver=driver, config=config)
+    return new_node_on(None, base, deb, gpu=gpu, driver=driver, nvml=nvml, config=config)
 
 
 def new_node_on(lower: Path | None, base: Path, deb: Path, *, gpu: bool = True,
-                driver: realdriver.RealDriver | None = None,
+                driver: realdriver.RealDriver | None = None, nvml: bool = False,
                 config: dict[str, object] | None = None) -> Node:
     """:func:`new_node` over ``lower``, another cached tree than the base one (None: the
     base; tests/cri.py's has containerd)."""

@@ -275,6 +275,29 @@ def test_second_boot(make_node: NodeFactory) -> None:
         record_timing("second boot: boot 2", m, second)
 
 
+# SubStates from which systemd starts or stops a unit later without a queued job: a
+# failed unit's Restart= (auto-restart) and starts or stops under way.
+BETWEEN = "activating,deactivating,reloading,auto-restart"
+# What lists every process of the guest outside its units' cgroups (shell builtins only,
+# so the lister adds no process): the commands run with nsenter, as dpkg was, and
+# anything they left running. The lister is one of them: it leaves itself out.
+STRAYS = ('for d in /proc/[0-9]*; do p=${d#/proc/}; [ "$p" = $$ ] && continue; '
+          'while read -r line; do case "$line" in 0::/..*) echo "$p";; esac; done '
+          '< "$d/cgroup" 2>/dev/null; done')
+
+
+def settled(m: Machine) -> bool:
+    """Nothing queued or under way that restarts a unit later: no job, no unit between
+    states, no process of the maintainer scripts left running outside the units (a
+    `sleep 3; systemctl restart` sent to the background passed a fixed sleep(2))."""
+    if m.systemctl("list-jobs", "--plain", "--no-legend").stdout.strip():
+        return False
+    between = m.systemctl("list-units", "--all", "--plain", "--no-legend",
+                          f"--state={BETWEEN}").stdout.strip()
+    strays = m.exec("sh", "-c", STRAYS).stdout.split()
+    return not between and not strays
+
+
 def test_upgrade_in_place(make_node: NodeFactory, upgrade_deb: Path) -> None:
     """`dpkg -i` of a newer build inside the running machine restarts nothing."""
     node = make_node()
@@ -291,11 +314,10 @@ def test_upgrade_in_place(make_node: NodeFactory, upgrade_deb: Path) -> None:
         assert res.returncode == 0, res.stdout + res.stderr
         new = m.exec("dpkg-query", "--show", "--showformat=${Version}", "unbounded-nvidia-setup")
         assert new.stdout != old.stdout and new.stdout.endswith("+boottest1"), new.stdout
-        # Let anything the maintainer scripts queued happen before comparing.
-        m.wait_until(
-            lambda: m.systemctl("list-jobs", "--plain", "--no-legend").stdout.strip() == "",
-            timeout=30, what="no pending jobs", units=NODE_UNITS)
-        time.sleep(2)
+        # Let anything the maintainer scripts set going happen before comparing: until
+        # nothing is left that could restart a unit later without a job showing it now.
+        m.wait_until(lambda: settled(m), timeout=30, what="no pending jobs, no unit "
+                     "between states, no process left by dpkg", units=NODE_UNITS)
         after = {u: {k: v for k, v in p.items() if k in keys} for u, p in snapshot(m).items()}
         assert after == before, json.dumps({"before": before, "after": after}, indent=1)
         assert service_events(m) == events_before
