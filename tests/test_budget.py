@@ -31,7 +31,7 @@ from invariants import (
 )
 from test_branches import release
 from test_resources import processes_under
-from unbounded_nvidia_setup import budget, ldconf, metrics, run
+from unbounded_nvidia_setup import budget, linker, metrics, run
 from unbounded_nvidia_setup.budget import Budget, Limit, cap
 from unbounded_nvidia_setup.config import Config, Machine
 
@@ -114,7 +114,7 @@ def worst_case(config: Config) -> tuple[float, str]:
     ctk = config.nvidia_ctk_timeout_seconds
     forward_waits = (config.lock_timeout_seconds + config.staging_wait_seconds
                      + max(ctk, config.ldconfig_timeout_seconds) + 2 * ctk
-                     + ldconf.CACHE_QUERY_SECONDS)
+                     + linker.CACHE_QUERY_SECONDS)
     total = config.run_timeout_seconds
     reserve = total * budget.RESERVE_SHARE
     forward = min(forward_waits, total - reserve)

@@ -16,7 +16,7 @@ from invariants import (
     secure_after,  # noqa: F401  (fixture)
     traced,
 )
-from unbounded_nvidia_setup.discover import resolve_within
+from unbounded_nvidia_setup.discover import resolve_inside_staging
 from unbounded_nvidia_setup.elf import CorruptElf, read_elf
 
 import elfbuild
@@ -53,21 +53,21 @@ def staging(tmp_path: Path) -> Path:
     ("l-dir", "sub", "sub"),
     ("l-base", ".", None),
 ])
-def test_resolve_within(tmp_path: Path, staging: Path, link: str, target: str,
+def test_resolve_inside_staging(tmp_path: Path, staging: Path, link: str, target: str,
                         expect: str | None) -> None:
     os.symlink(target, staging / link)
-    got = resolve_within(tmp_path, staging, link)
+    got = resolve_inside_staging(tmp_path, staging, link)
     assert got == (staging / expect if expect else None)
 
 
-def test_resolve_within_loop_pair(tmp_path: Path, staging: Path) -> None:
+def test_resolve_inside_staging_loop_pair(tmp_path: Path, staging: Path) -> None:
     os.symlink("b", staging / "a")
     os.symlink("a", staging / "b")
-    assert resolve_within(tmp_path, staging, "a") is None
+    assert resolve_inside_staging(tmp_path, staging, "a") is None
 
 
-def test_resolve_within_through_a_file(tmp_path: Path, staging: Path) -> None:
-    assert resolve_within(tmp_path, staging, "libcuda.so.1.0/x") is None
+def test_resolve_inside_staging_through_a_file(tmp_path: Path, staging: Path) -> None:
+    assert resolve_inside_staging(tmp_path, staging, "libcuda.so.1.0/x") is None
 
 
 def test_read_elf_of_real_objects(tmp_path: Path) -> None:

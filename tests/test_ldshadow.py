@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from invariants import secure_after  # noqa: F401  (fixture)
-from unbounded_nvidia_setup import ldsoconf
+from unbounded_nvidia_setup import searchorder
 from unbounded_nvidia_setup.config import Config, Machine
-from unbounded_nvidia_setup.ldconf import dropin_text
+from unbounded_nvidia_setup.linker import dropin_text
 
 import elfbuild
 import simgpu
@@ -101,7 +101,7 @@ def test_search_order_is_glibc_ldconfigs(tmp_path: Path) -> None:
     (conf_d / "x.conf.dpkg-old").write_text("/opt/missing\n")
     machine = Machine(root=root, config=Config(), arch="x86_64")
     (conf_d / "unbounded-nvidia-setup.conf").write_text(dropin_text(machine))
-    ours = [(d.path, d.conf, d.line) for d in ldsoconf.search_order(machine)]
+    ours = [(d.path, d.conf, d.line) for d in searchorder.search_order(machine)]
     assert ours == ldconfig_order(root)
     assert [d for d, _, _ in ours] == ["/opt/a", COMPAT, "/opt/c", "/usr/local/lib",
                                        DRIVER_LIBDIR, "/opt/b"]
@@ -120,7 +120,7 @@ def test_an_include_cycle_or_a_fifo_ends(tmp_path: Path) -> None:
     os.mkfifo(conf_d / "fifo.conf")
     machine = Machine(root=root, config=Config(), arch="x86_64")
     # The drop-in counts as written (the run is about to write it), the loop once.
-    assert [d.path for d in ldsoconf.search_order(machine)] == ["/opt/a", DRIVER_LIBDIR]
+    assert [d.path for d in searchorder.search_order(machine)] == ["/opt/a", DRIVER_LIBDIR]
 
 
 def test_paths_resolve_under_the_root_as_in_ldconfigs_chroot(tmp_path: Path) -> None:
@@ -134,13 +134,14 @@ def test_paths_resolve_under_the_root_as_in_ldconfigs_chroot(tmp_path: Path) -> 
     os.symlink("loop", root / "usr/loop")
     os.symlink("/nowhere", root / "usr/dangling")
     r = str(root)
-    assert ldsoconf.resolve(r, "/usr/local/cuda/compat") == f"{r}/usr/local/cuda-12.9/compat"
-    assert ldsoconf.resolve(r, "/usr/local/up") is None  # root/etc does not exist
+    assert (searchorder.resolve_machine_path(r, "/usr/local/cuda/compat")
+            == f"{r}/usr/local/cuda-12.9/compat")
+    assert searchorder.resolve_machine_path(r, "/usr/local/up") is None  # root/etc does not exist
     (root / "etc").mkdir()
-    assert ldsoconf.resolve(r, "/usr/local/up") == f"{r}/etc"
-    assert ldsoconf.resolve(r, "/usr/loop") is None
-    assert ldsoconf.resolve(r, "/usr/dangling") is None
-    assert ldsoconf.resolve(r, "/") == r
+    assert searchorder.resolve_machine_path(r, "/usr/local/up") == f"{r}/etc"
+    assert searchorder.resolve_machine_path(r, "/usr/loop") is None
+    assert searchorder.resolve_machine_path(r, "/usr/dangling") is None
+    assert searchorder.resolve_machine_path(r, "/") == r
 
 
 # --------------------------------------------------------------------------------------

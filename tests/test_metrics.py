@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from check_schema import check_report, codes_in_schema, codes_in_source
 from invariants import product_argv, product_env
-from unbounded_nvidia_setup.metrics import FILE, PROBLEM_CODES
+from unbounded_nvidia_setup.metrics import FILE
+from unbounded_nvidia_setup.problems import PROBLEM_CODES
 
 import simgpu
 from conftest import Cli, needs_root, needs_tool

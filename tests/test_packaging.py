@@ -408,7 +408,8 @@ def test_install_dpkg_root_and_purge(trixie: Path, deb: Path) -> None:
     assert_installed_offline(trixie)
     # Debian's python3 packages satisfy the program (imports happen in the rootfs).
     in_root(trixie, "python3", "-c", "import sdnotify, yaml, unbounded_nvidia_setup.cli, "
-            "unbounded_nvidia_setup.reconcile, unbounded_nvidia_setup.check")
+            "unbounded_nvidia_setup.reconcile, unbounded_nvidia_setup.check, "
+            "unbounded_nvidia_setup.state")
     assert in_root(trixie, PACKAGE, "--version").stdout.strip()
     # No NVIDIA device in the chroot: `check` is healthy (no GPU, no state), and its JSON
     # matches the schema the package installed.

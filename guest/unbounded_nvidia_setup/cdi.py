@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import log
+from .atomic import write_atomically
 from .config import Machine, load_yaml
-from .ldconf import write_atomically
 from .log import die
 from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems

@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from .check import collect_beside, unit_state
+    from .check import render_json, render_text
     from .lock import shared_or_busy
+    from .state import collect_beside, unit_state
 
     def action() -> int:
         machine = _machine(args)
@@ -92,23 +93,16 @@ def check(args: argparse.Namespace) -> int:
             from .metrics import write_check
 
             write_check(machine, report, time.time())
-        if args.as_json:
-            import json
-
-            print(json.dumps(report.to_json(), indent=2))
-        else:
-            for p in report.problems:
-                print(f"{p.code}: {log.one_line(p.message)}")
-            print("ok" if report.ok else f"{len(report.problems)} problems")
-            print(f"verdict: {report.verdict}")
+        print(render_json(report) if args.as_json else render_text(report))
         return 0 if report.ok else EXIT_FAILED
 
     return _guarded(action)
 
 
 def status(args: argparse.Namespace) -> int:
-    from .check import collect_beside, render_status
+    from .check import render_status
     from .lock import shared_or_busy
+    from .state import collect_beside
 
     def action() -> None:
         machine = _machine(args)

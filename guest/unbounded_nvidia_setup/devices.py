@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass
 
 from .config import Machine
-from .spec import Problem
+from .problems import Problem
 
 FIXED_MAJOR = 195  # NV_MAJOR_DEVICE_NUMBER
 UVM = "nvidia-uvm"

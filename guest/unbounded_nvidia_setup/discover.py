@@ -113,11 +113,11 @@ def populated_staging(machine: Machine) -> list[Path]:
     return [d for d in staging_dirs(machine) if is_populated(d)]
 
 
-def resolve_in(root: str, start: str, path: str) -> str | None:
+def resolve_under_root(root: str, start: str, path: str) -> str | None:
     """`start/path` resolved as the kernel would in a chroot at `root` (`start` lies under
     it): absolute link targets start again at `root`, `..` stops there. None when it
     dangles or loops. Uses only lstat and readlink: nothing is opened. Plain strings, not
-    pathlib: this runs for every staged name and, through ldsoconf, for every directory of
+    pathlib: this runs for every staged name and, through searchorder, for every directory of
     the linker's search order on every boot, and pathlib's cost per component was most of
     that time."""
     top = root.rstrip("/")
@@ -151,11 +151,11 @@ def resolve_in(root: str, start: str, path: str) -> str | None:
     return current or "/"
 
 
-def resolve_within(root: Path, base: Path, relative: str) -> Path | None:
+def resolve_inside_staging(root: Path, base: Path, relative: str) -> Path | None:
     """`base/relative` resolved with absolute link targets taken under `root`
-    (:func:`resolve_in`). None when it dangles, loops, or ends outside `base`: a link
+    (:func:`resolve_under_root`). None when it dangles, loops, or ends outside `base`: a link
     escaping its staging dir is ignored."""
-    found = resolve_in(str(root), str(base), relative)
+    found = resolve_under_root(str(root), str(base), relative)
     inside = str(base).rstrip("/") + "/"
     return Path(found) if found is not None and found.startswith(inside) else None
 
@@ -236,7 +236,7 @@ def scan(machine: Machine, dirs: list[Path]) -> Scan:
                 if not SAFE_NAME.fullmatch(name):
                     log.warn(f"ignoring {base / relative}: not a plain file name")
                     continue
-                target = resolve_within(root, base, relative)
+                target = resolve_inside_staging(root, base, relative)
                 if target is None:
                     log.debug(f"ignoring {base / relative}: dangling, looping or outside "
                               f"{directory}")
@@ -248,13 +248,13 @@ def scan(machine: Machine, dirs: list[Path]) -> Scan:
                     seen.add(target)
                     result.libraries.append(Staged(index, target, target_subdir))
         for name in HELPERS:
-            target = resolve_within(root, base, name)
+            target = resolve_inside_staging(root, base, name)
             if target is not None:
                 result.helpers.append(Staged(index, target, ""))
         for version in _entries(base / "nvidia"):
             for name in _entries(base / "nvidia" / version):
                 if name.startswith("gsp") and name.endswith(".bin"):
-                    target = resolve_within(root, base, f"nvidia/{version}/{name}")
+                    target = resolve_inside_staging(root, base, f"nvidia/{version}/{name}")
                     if target is not None and SAFE_NAME.fullmatch(name):
                         result.firmware.append((version, Staged(index, target, "")))
     return result

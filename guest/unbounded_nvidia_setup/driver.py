@@ -13,7 +13,7 @@ def _inspect_all(staged: list[Staged]) -> list[Inspected]:
     return [i for s in staged if (i := discover.inspect(s)) is not None]
 
 
-def resolve(machine: Machine, dirs: list[Path], module_version: str | None) -> plan.Plan:
+def plan_from_staging(machine: Machine, dirs: list[Path], module_version: str | None) -> plan.Plan:
     found = discover.scan(machine, dirs)
     version = plan.driver_version(module_version, found.libraries, found.links)
     stale = plan.stale_versions(version, found.libraries)

@@ -29,10 +29,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import log
+from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
-    from .check import Report
     from .config import Machine
+    from .state import Report
 
 FILE = "unbounded_nvidia_setup.prom"
 _TMP = f".{FILE}.tmp"  # not *.prom: node_exporter never reads a half-written file
@@ -41,23 +42,6 @@ _RUN_PREFIX = f"{PREFIX}run_"
 _LOCK_WAIT = 2.0  # seconds; another writer holds the flock only for a few syscalls
 _CARRY_MAX = 1 << 16
 
-# Every problem code `check` can report (docs/problems.md; tests keep the three in step).
-# Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
-PROBLEM_CODES = (
-    "stale-state", "staging-missing", "staging-invalid", "setup-running",
-    "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root",
-    "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
-    "root-missing-library", "root-library-not-regular", "root-missing-link",
-    "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
-    "root-foreign-file", "root-bad-owner", "root-bad-mode", "root-mixed-versions",
-    "root-version-mismatch",
-    "ldconf-missing", "ldcache-stale", "ldcache-shadowed", "legacy-link",
-    "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
-    "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
-    "spec-missing-library", "spec-missing-helper", "spec-shadowed",
-    "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
-    "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
-)
 
 
 class RunRecord:

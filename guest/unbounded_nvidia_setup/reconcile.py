@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from . import cdi, devices, discover, driver, ldconf, ldsoconf, log, tree
+from . import cdi, devices, discover, driver, linker, log, searchorder, tree
+from .atomic import write_atomically
 from .config import Machine
 from .lock import locked
 from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
 from .metrics import RunRecord
 from .plan import LeftOut, Manifest, Plan
 from .run import find_program
+from .state import collect
 from .verify import changed_copies, root_problems
-
-if TYPE_CHECKING:
-    from .check import Report
 
 # Programs that hold the driver root open in pods: swapping under them is refused.
 CONSUMERS = ("containerd", "kubelet")
@@ -81,7 +79,7 @@ def remove_state(machine: Machine) -> list[Path]:
         except FileNotFoundError:
             pass
     if machine.ldconf_dropin in removed:
-        ldconf.run_ldconfig(machine)
+        linker.run_ldconfig(machine)
     for path in removed:
         log.info(f"removed {path}")
     return removed
@@ -149,10 +147,10 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             # Known before writing: a drop-in whose directory fsync fails after its rename
             # is already there.
             undo.new_dropin = not machine.ldconf_dropin.exists()
-            ldconf.install_dropin(machine)
-            with ldconf.start_ldconfig(machine) as ldconfig:
+            linker.install_dropin(machine)
+            with linker.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
-                ldconf.check_ldconfig(ldconfig.wait())
+                linker.check_ldconfig(ldconfig.wait())
             _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
@@ -173,7 +171,7 @@ def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> No
     staged = discover.populated_staging(machine)
     if not staged:
         return
-    record.report, record.checked_at = _collect(machine), time.time()
+    record.report, record.checked_at = collect(machine), time.time()
     die(f"driver staging is mounted ({staged[0]}) but no NVIDIA device node is "
         "(/dev/nvidiactl, /dev/nvidia<N>): the host's nvidia module did not load or its "
         "devices were not bound into the machine",
@@ -188,17 +186,9 @@ def _refuse_unless_devices(machine: Machine, record: RunRecord, *,
     found = devices.findings(machine)
     if not found:
         return
-    record.report, record.checked_at = _collect(machine), time.time()
+    record.report, record.checked_at = collect(machine), time.time()
     (first, todo), more = found[0], len(found) - 1
     die(first.message + (f" (and {more} more)" if more else ""), hint=todo, code=code)
-
-
-def _collect(machine: Machine) -> Report:
-    """What `check` sees now, for the metrics of a run that refused having changed
-    nothing, so they name the cause while systemd retries."""
-    from .check import collect
-
-    return collect(machine)
 
 
 RESTART_HINT = ("run `systemctl restart unbounded-nvidia-setup` instead (it stops kubelet and "
@@ -226,7 +216,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
             f"cannot tell whether {live} is still right", hint=RESTART_HINT)
     with cdi.Generator(machine) as generator:
         log.status(f"Comparing {live} with the staging mounts")
-        plan = driver.resolve(machine, dirs, module)
+        plan = driver.plan_from_staging(machine, dirs, module)
         want = plan.manifest()
         difference = tree.describe_difference(want, tree.manifest(live))
         if difference != "identical":
@@ -270,8 +260,6 @@ def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
-    from .check import collect
-
     log.status("Verifying the live driver root, linker cache and CDI spec")
     report = collect(machine, want, left_out)
     if report.problems:  # not recorded: the rollback undoes the state it describes
@@ -301,7 +289,7 @@ class Undo:
                 if self.previous_spec is None:
                     machine.cdi_spec.unlink(missing_ok=True)
                 else:
-                    ldconf.write_atomically(machine.cdi_spec, self.previous_spec)
+                    write_atomically(machine.cdi_spec, self.previous_spec)
             except OSError as e:
                 log.warn(f"after failing: cannot put back {machine.cdi_spec}: {e.strerror}")
         if self.swapped:
@@ -319,17 +307,17 @@ def _resolve_and_build(machine: Machine, force: bool,
     dirs = wait_for_staging(machine)
     log.status(f"Resolving driver files in {', '.join(map(str, dirs))}")
     try:
-        plan = driver.resolve(machine, dirs, module)
+        plan = driver.plan_from_staging(machine, dirs, module)
     except Failure:
         # Nothing changed: the metrics carry check's view, staging-invalid with this very
         # line, while systemd retries (a first boot has no drift check yet).
-        record.report, record.checked_at = _collect(machine), time.time()
+        record.report, record.checked_at = collect(machine), time.time()
         raise
     # Before the search order is judged: an older agent's links into the staging are
     # never ours to keep, and in a directory searched before the drop-in (Debian's
     # aarch64-linux-gnu.conf) they would be taken for a package's copies of the driver
     # (docs/architecture.md, "The older agent's leftovers").
-    ldconf.remove_legacy_links(machine)
+    linker.remove_legacy_links(machine)
     _refuse_if_shadowed(machine, plan, record)
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
@@ -349,13 +337,13 @@ def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None
     before building or changing anything, naming the conf file (docs/architecture.md,
     "The linker's search order"). Having changed nothing, the run records what `check`
     sees now, so its metrics name the cause while systemd retries."""
-    shadows = ldsoconf.shadows(machine, plan.sonames(machine.libdir))
+    shadows = searchorder.shadows(machine, plan.sonames(machine.libdir))
     if not shadows:
         return
-    record.report, record.checked_at = _collect(machine), time.time()
+    record.report, record.checked_at = collect(machine), time.time()
     more = len(shadows) - 1
-    die(ldsoconf.describe(machine, shadows[0]) + (f" (and {more} more)" if more else ""),
-        hint=ldsoconf.todo(shadows[0]) + "; the driver root and spec were left as they "
+    die(searchorder.describe(machine, shadows[0]) + (f" (and {more} more)" if more else ""),
+        hint=searchorder.todo(shadows[0]) + "; the driver root and spec were left as they "
              "were, and the unit's next retry succeeds once it is gone")
 
 
@@ -377,7 +365,7 @@ def _best_effort_ldconfig(machine: Machine) -> None:
     its slice of the time kept back for the rollback (budget.py): an ldconfig that hung
     forward mostly hangs again, and the run must still end in its own words."""
     try:
-        ldconf.run_ldconfig(machine, rollback=True)
+        linker.run_ldconfig(machine, rollback=True)
     except Failure as e:
         log.warn(f"after rolling back: {e.message}")
 

@@ -5,22 +5,13 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import Machine
+from .problems import Problem
 
 KIND = "nvidia.com/gpu"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with the live state. `code` is stable (docs/problems.md)."""
-
-    code: str
-    message: str
-    path: str | None = None
 
 
 def host_path(machine: Machine, path: str) -> Path:

@@ -18,7 +18,7 @@ from .plan import (
     Plan,
     name_version,
 )
-from .spec import Problem
+from .problems import Problem
 
 
 def root_version(root: Path, libdir: str) -> set[str]:
@@ -33,7 +33,7 @@ def root_version(root: Path, libdir: str) -> set[str]:
 _MAX_LINKS = 40
 
 
-def resolve(path: str) -> str:
+def resolve_in_driver_root(path: str) -> str:
     """os.path.realpath(path), for a path whose directory is already real (a driver root
     walked from its real path: os.walk does not descend into links). A link whose target
     is a plain name is followed next to itself with one lstat, as the kernel does;
@@ -110,7 +110,7 @@ def link_problems(directory: Path,
         path = directory / name
         if not path.is_symlink() or name in ACTIVE_LINKS:
             continue  # libcuda.so.1 and libnvidia-ml.so.1: the required-library check
-        target = resolve(os.path.join(real, name))
+        target = resolve_in_driver_root(os.path.join(real, name))
         if os.path.dirname(target) != real:
             continue  # escaping or dangling: reported as such
         want = LINKER_NAMES.get(name, name)
@@ -161,7 +161,7 @@ def root_problems(root: Path, libdir: str, version: str | None,
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink(path)
-                resolved = resolve(os.path.join(real_dir, name))
+                resolved = resolve_in_driver_root(os.path.join(real_dir, name))
                 if target.startswith("/"):
                     problems.append(Problem("root-absolute-link",
                                             f"{path} is an absolute link to {target}", path))
@@ -206,7 +206,7 @@ def root_problems(root: Path, libdir: str, version: str | None,
                 code = "root-library-not-regular" if os.path.lexists(library) else (
                     "root-missing-library")
                 problems.append(Problem(code, f"{library} is not a regular file", str(library)))
-            elif not link.is_symlink() or resolve(os.path.join(
+            elif not link.is_symlink() or resolve_in_driver_root(os.path.join(
                     real_root, libdir, link.name)) != os.path.join(real_root, libdir, library.name):
                 problems.append(Problem("root-missing-link",
                                         f"{link} does not point to {library.name}", str(link)))

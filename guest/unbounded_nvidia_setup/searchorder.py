@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import LDCONF_DROPIN, Machine
-from .discover import open_regular, resolve_in
+from .discover import open_regular, resolve_under_root
 from .elf import CorruptElf, read_elf
-from .ldconf import driver_libdir, dropin_text
-from .spec import Problem
+from .linker import driver_libdir, dropin_text
+from .problems import Problem
 
 CONF = "/etc/ld.so.conf"
 # glibc follows includes without a limit (a file that includes itself runs it out of
@@ -105,10 +105,10 @@ def glob_matches(path: str, pattern: str) -> bool:
         for n, p in zip(names, parts, strict=True))
 
 
-def resolve(root: str, path: str) -> str | None:
+def resolve_machine_path(root: str, path: str) -> str | None:
     """`path` (as the machine sees it) resolved as the kernel would in a chroot at `root`,
     as ldconfig -r does. None when it dangles or loops."""
-    return resolve_in(root, root, path)
+    return resolve_under_root(root, root, path)
 
 
 def _read(machine: Machine, path: str) -> str | None:
@@ -117,7 +117,7 @@ def _read(machine: Machine, path: str) -> str | None:
     one ldconfig follows once the drop-in is there, before the run wrote it too."""
     if path == LDCONF_DROPIN:
         return dropin_text(machine)
-    target = resolve(str(machine.root), path)
+    target = resolve_machine_path(str(machine.root), path)
     if target is None:
         return None
     try:
@@ -147,7 +147,7 @@ def _locate(machine: Machine, path: str) -> tuple[object, str | None]:
     directory, as ldconfig compares them (device and inode); None for a directory that
     does not exist, which ldconfig leaves out. The driver root's own directory counts as
     there before the run builds it."""
-    real = resolve(str(machine.root), path)
+    real = resolve_machine_path(str(machine.root), path)
     try:
         st = os.stat(real) if real is not None else None
     except OSError:
@@ -181,7 +181,8 @@ def _holds(machine: Machine, directory: str, soname: str) -> bool:
         is_link = stat.S_ISLNK(os.lstat(path).st_mode)
     except OSError:
         return False
-    target = resolve(str(machine.root), os.path.relpath(path, machine.root)) if is_link else path
+    target = (resolve_machine_path(str(machine.root), os.path.relpath(path, machine.root))
+              if is_link else path)
     if target is None:
         return False
     try:
@@ -202,7 +203,7 @@ def shadows(machine: Machine, sonames: Iterable[str],
     """Directories searched before the driver root's that hold any of `sonames` (the
     driver root's SONAMEs). Empty when the driver root is not in the search order at
     all: then nothing comes before it (the linker cache check says it is missing).
-    `leftovers`, an older agent's links (ldconf.legacy_links), are no package's copies:
+    `leftovers`, an older agent's links (linker.legacy_links), are no package's copies:
     `run` removes them and `check` names them as such."""
     wanted = sorted(set(sonames))
     skip = {os.path.join(os.path.realpath(p.parent), p.name) for p in leftovers}

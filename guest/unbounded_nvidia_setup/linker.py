@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-import stat
 from pathlib import Path
 
 from . import log
+from .atomic import write_atomically
 from .config import Machine
 from .log import Failure, die
+from .problems import Problem
 from .run import Result, Started, find_program, run, start
-from .spec import Problem
-from .verify import resolve
+from .verify import resolve_in_driver_root
 
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"
 
@@ -25,41 +25,6 @@ def driver_libdir(machine: Machine) -> str:
 
 def dropin_text(machine: Machine) -> str:
     return f"{HEADER}{driver_libdir(machine)}\n"
-
-
-def write_atomically(path: Path, data: bytes, *, mode: int = 0o644, sync: bool = True) -> bool:
-    """Replace `path` with `data` in one rename; False when it already held exactly that.
-    The temp name ends in `.tmp` so no reader that globs *.conf, *.yaml or *.json takes it."""
-    try:
-        if path.read_bytes() == data and stat.S_IMODE(os.stat(path).st_mode) == mode:
-            return False
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A run killed between writing and renaming left its temp file: remove it (we hold
-    # the lock, so no other writer's is among them).
-    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
-        leftover.unlink(missing_ok=True)
-    tmp = path.parent / f".{path.name}.{os.urandom(6).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), mode)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    if sync:
-        dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
-    return True
 
 
 def install_dropin(machine: Machine) -> None:
@@ -215,7 +180,7 @@ def cache_problems(machine: Machine, sonames: dict[str, str | None]) -> list[Pro
             where = f"resolves {soname} to {have}" if have else f"does not list {soname}"
             problems.append(Problem("ldcache-stale", f"{cache} {where}, not {want}",
                                     str(cache)))
-        elif resolve(os.path.join(real, soname)) != os.path.join(real, name):
+        elif resolve_in_driver_root(os.path.join(real, soname)) != os.path.join(real, name):
             problems.append(Problem("ldcache-stale", f"{cache} resolves {soname} to "
                                     f"{want}, which does not lead to {name}", str(cache)))
     return problems

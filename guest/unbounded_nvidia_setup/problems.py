@@ -1,0 +1,42 @@
+"""The unit of every verdict, and every code it can carry: what docs/problems.md documents.
+
+Every checker (devices, verify, spec, linker, searchorder, holders, state) makes its
+findings as `Problem`s; `check`, the metrics and the schema name exactly these codes
+(tests/test_contract.py and tests/test_metrics.py keep the four in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the live state. `code` is stable (docs/problems.md)."""
+
+    code: str
+    message: str
+    path: str | None = None
+
+
+# Every problem code `check` can report (docs/problems.md; tests keep them in step).
+# Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
+PROBLEM_CODES = (
+    "stale-state", "staging-missing", "staging-invalid", "setup-running",
+    "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root",
+    "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
+    "root-missing-library", "root-library-not-regular", "root-missing-link",
+    "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
+    "root-foreign-file", "root-bad-owner", "root-bad-mode", "root-mixed-versions",
+    "root-version-mismatch",
+    "ldconf-missing", "ldcache-stale", "ldcache-shadowed", "legacy-link",
+    "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
+    "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
+    "spec-missing-library", "spec-missing-helper", "spec-shadowed",
+    "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
+    "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
+)
+
+# Problems that mean "the host has not staged the driver, or bound its devices, yet",
+# not "something broke": the verdict is `not-ready-yet`.
+WAITING_CODES = frozenset({"staging-missing", "devices-not-bound"})

@@ -1,0 +1,324 @@
+"""The live state, validated, changing nothing: what `check` and `status` show, and what
+a run proves its end state with (reconcile._verify_end_state). Rendering is check.py's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import devices, discover, driver, holders, linker, searchorder, tree
+from .config import Machine, load_yaml
+from .log import Failure
+from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
+from .problems import WAITING_CODES, Problem
+from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
+from .verify import library_sonames, root_problems, root_version
+
+SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change within one
+UNIT = "unbounded-nvidia-setup.service"
+# The answer a host agent switches on (docs/host-integration.md).
+READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
+VERDICTS = (READY, NO_GPU, NOT_READY_YET, BROKEN)
+
+
+@dataclass
+class Report:
+    gpu: bool
+    driver_version: str | None
+    module_version: str | None
+    problems: list[Problem] = field(default_factory=list)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Live facts beside the files, set by `check`: a run or clean holds the lock right
+    # now; the unit's ActiveState and SubState (None: systemd not reachable or not asked).
+    setup_running: bool = False
+    unit: tuple[str, str] | None = None
+    # Staged libraries planning leaves out of the root (plan.LeftOut): not a problem (the
+    # verdict ignores them), but a host whose driver installation is damaged.
+    left_out: tuple[LeftOut, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        """From the state just read, never from a remembered result. Problems are only
+        "broken" when nothing is on its way to fixing them: no run holding the lock, no
+        unit start (or retry) pending, staging that is there."""
+        if self.ok:
+            return READY if self.gpu else NO_GPU
+        in_progress = self.setup_running or (self.unit is not None
+                                             and self.unit[0] == "activating")
+        if in_progress or any(p.code in WAITING_CODES for p in self.problems):
+            return NOT_READY_YET
+        return BROKEN
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION, "verdict": self.verdict, "ok": self.ok,
+            "gpu": self.gpu, "driver_version": self.driver_version,
+            "module_version": self.module_version, "setup_running": self.setup_running,
+            "problems": [asdict(p) for p in self.problems],
+            "left_out": [asdict(left) for left in self.left_out], **self.sections}
+        if self.unit is not None:
+            out["unit"] = {"name": UNIT, "active_state": self.unit[0],
+                           "sub_state": self.unit[1]}
+        return out
+
+
+def unit_state(machine: Machine) -> tuple[str, str] | None:
+    """The setup unit's (ActiveState, SubState) from systemd, when this is the running
+    system and systemd is its init; None otherwise, and whenever systemctl cannot answer
+    (absent, hung, no bus): the verdict then rests on the files and the lock alone."""
+    if not machine.is_live or not os.path.isdir("/run/systemd/system"):
+        return None
+    import shutil
+
+    from .budget import Limit
+    from .run import run
+
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        return None
+    try:
+        result = run([systemctl, "show", "--property=ActiveState,SubState", "--value", UNIT],
+                     limit=Limit(10), quiet=True)
+    except Failure:
+        return None
+    lines = result.stdout.split("\n")
+    if not result.ok or len(lines) < 2 or not lines[0]:
+        return None
+    return lines[0].strip(), lines[1].strip()
+
+
+def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
+    """(document, None) or (None, why it could not be read)."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return None, e.strerror
+    except UnicodeDecodeError:
+        return None, "not text"
+    import yaml
+
+    try:
+        if as_json:  # only the device plugin's spec: json stays off a run's imports
+            import json
+
+            return json.loads(text), None
+        return load_yaml(text), None
+    except (ValueError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"does not parse: {first}"
+
+
+def _check_root(machine: Machine, report: Report,
+                want: Manifest | None) -> tuple[str | None, dict[str, str | None] | None]:
+    """The root's driver version and the DT_SONAMEs of its library directory (read once,
+    for the link check here and the linker-cache check after it; None: no such dir)."""
+    live = machine.driver_root
+    have = tree.manifest(live)
+    section: dict[str, Any] = {"path": str(live), "present": have is not None}
+    report.sections["driver_root"] = section
+    if os.path.islink(live.parent):
+        report.problems.append(Problem("root-parent-symlink", f"{live.parent} is a symlink",
+                                       str(live.parent)))
+    if have is None:
+        code = "root-not-directory" if os.path.lexists(live) else "root-missing"
+        report.problems.append(Problem(code, f"driver root {live} is missing or not a "
+                                       "directory", str(live)))
+        if want is None:  # a first boot the run refuses: why, in the run's own words
+            _plan_staging(machine, report, missing_ok=True)
+        return None, None
+    versions = root_version(live, machine.libdir)
+    sizes = [v[1] for v in have.values() if len(v) == 4]
+    version = report.module_version or (min(versions) if len(versions) == 1 else None)
+    section.update(
+        version=version,
+        libraries=sorted(k.rsplit("/", 1)[1] for k, v in have.items()
+                         if k.startswith(f"{machine.libdir}/") and v[0] == "f"),
+        helpers=sorted(k.rsplit("/", 1)[1] for k, v in have.items()
+                       if k.startswith("usr/bin/") and v[0] == "f"),
+        firmware=sorted(k for k, v in have.items() if k.startswith("lib/firmware/")
+                        and v[0] == "f"),
+        files=len(sizes),
+        bytes=sum(sizes),
+    )
+    libdir = live / machine.libdir
+    sonames = library_sonames(libdir) if libdir.is_dir() and not libdir.is_symlink() else None
+    report.problems += root_problems(live, machine.libdir, version,
+                                     machine.config.extra_library_prefixes, sonames)
+    if report.module_version and versions and versions != {report.module_version}:
+        report.problems.append(Problem("root-version-mismatch",
+                                       f"driver root holds {', '.join(sorted(versions))} but the "
+                                       f"kernel module is {report.module_version}", str(live)))
+    if want is not None:  # a run's own end state: what it just built
+        difference = tree.describe_difference(want, have)
+        if difference != "identical":
+            report.problems.append(Problem("root-out-of-date", "driver root differs from "
+                                           f"what this run built: {difference}", str(live)))
+        return version, sonames
+    # What the staging mounts call for now: catches tampering and staging that changed.
+    staged = _plan_staging(machine, report)
+    if staged is not None:
+        difference = tree.describe_difference(staged.manifest(), have)
+        if difference != "identical":
+            report.problems.append(Problem("root-out-of-date",
+                                           f"driver root differs from staging: {difference}",
+                                           str(live)))
+    return version, sonames
+
+
+def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False) -> Plan | None:
+    """The plan the staging mounts make now, as a run would make it, and what it leaves
+    out; None when there is none. Planning's refusal is `staging-invalid` with the run's
+    own line. Staging not mounted is `staging-missing`, unless `missing_ok` (no root to
+    compare: `root-missing` already says what is wrong)."""
+    try:
+        dirs = discover.staging_dirs(machine)
+        if not dirs or not all(discover.is_populated(d) for d in dirs):
+            if not missing_ok:
+                report.problems.append(Problem("staging-missing", "driver staging is not "
+                                               "mounted: cannot compare the root with it",
+                                               machine.staging_parent))
+            return None
+        staged = driver.plan_from_staging(machine, dirs, report.module_version)
+    except Failure as e:
+        report.problems.append(Problem("staging-invalid", e.message, machine.staging_parent))
+        return None
+    report.left_out = staged.left_out
+    return staged
+
+
+def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
+    path = machine.cdi_spec
+    section: dict[str, Any] = {"path": str(path), "present": path.exists()}
+    report.sections["cdi_spec"] = section
+    if not section["present"]:
+        report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
+        return
+    doc, why = _load(path, path.suffix == ".json")
+    if why:
+        report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
+        return
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    section.update(kind=kind if isinstance(kind, str) else None,  # a string or null: schema
+                   devices=device_names(doc))
+    helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
+    report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
+                                     version=version, helpers=helpers)
+    shadow = machine.at("/var/run/cdi") / path.name
+    if shadow.exists() and shadow.resolve() != path.resolve():
+        report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
+                                       "devices (nvidia-cdi-refresh?)", str(shadow)))
+
+
+def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
+    path = machine.plugin_spec
+    if not path.exists():
+        return
+    section: dict[str, Any] = {"path": str(path), "present": True}
+    report.sections["device_plugin_spec"] = section
+    doc, why = _load(path, True)
+    if why:
+        report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
+        return
+    section["devices"] = device_names(doc)
+    report.problems += spec_problems(doc, machine, codes=PLUGIN_SPEC_CODES, where=str(path),
+                                     kind=None, version=version)
+
+
+def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | None] | None,
+                   leftovers: list[Path]) -> None:
+    """The search order first: a directory ahead of the driver root's is why the cache
+    resolves a SONAME elsewhere, and it is found without a root too (after a first
+    boot's rollback), for the SONAMEs every root has (libcuda.so.1, libnvidia-ml.so.1)."""
+    present = ACTIVE_LINKS if sonames is None else {s for s in sonames.values() if s}
+    report.problems += searchorder.problems(machine, present, leftovers)
+    if sonames is not None:
+        report.problems += linker.cache_problems(machine, sonames)
+
+
+def collect(machine: Machine, want: Manifest | None = None,
+            left_out: tuple[LeftOut, ...] = ()) -> Report:
+    """Everything `check` reports. With `want` (a run verifying its own end state), the
+    root is compared with what the run built instead of resolving staging again (and
+    `left_out` is what its plan left out), and the device plugin's spec, which the
+    plugin rewrites after kubelet starts, is left out."""
+    gpu = discover.has_gpu(machine)
+    report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine),
+                    left_out=left_out)
+    if not gpu:
+        try:
+            staged = discover.populated_staging(machine)
+        except Failure as e:
+            staged, report.problems = [], [Problem("staging-invalid", e.message,
+                                                   machine.staging_parent)]
+        if staged:  # a GPU node whose devices did not arrive: its state is kept
+            report.problems.append(Problem(
+                "devices-not-bound", f"driver staging is mounted ({staged[0]}) but no NVIDIA "
+                "device node is: the host's nvidia module did not load or its devices were "
+                "not bound", str(machine.at("/dev"))))
+            return report
+        for path in (machine.driver_root, machine.cdi_spec, machine.ldconf_dropin):
+            if os.path.lexists(path):
+                report.problems.append(Problem("stale-state", f"no NVIDIA GPU, but {path} "
+                                               "exists", str(path)))
+        return report
+    report.problems += devices.problems(machine)
+    version, sonames = _check_root(machine, report, want)
+    report.driver_version = version
+    dropin = linker.dropin_text(machine)
+    try:
+        have = machine.ldconf_dropin.read_text()
+    except OSError:
+        have = None
+    if have != dropin:
+        report.problems.append(Problem("ldconf-missing", f"{machine.ldconf_dropin} is missing "
+                                       "or does not name the driver root",
+                                       str(machine.ldconf_dropin)))
+    leftovers = linker.legacy_links(machine)
+    for link in leftovers:
+        report.problems.append(Problem("legacy-link", f"{link} leads into the staging mounts "
+                                       "(an older agent's link)", str(link)))
+    _check_ldcache(machine, report, sonames, leftovers)
+    _check_spec(machine, report, version)
+    if want is None:
+        _check_plugin_spec(machine, report, version)
+        # Not in a run's end-state proof: pods that predate the run keep the generation it
+        # replaced until their owners restart them, as the device plugin's spec is
+        # rewritten after kubelet starts. The run never kills pods; check names them.
+        _check_holders(machine, report)
+    return report
+
+
+def _check_holders(machine: Machine, report: Report) -> None:
+    for h in holders.stale_holders(machine):
+        where = f", container {h.container[:12]}" if h.container else ""
+        report.problems.append(Problem(
+            "pod-on-old-root", f"pid {h.pid} ({h.comm}{where}) sees {h.mount_point} from a "
+            f"replaced driver root generation ({h.source}): it has the previous driver, or "
+            "none; restart it", str(machine.at(f"/proc/{h.pid}"))))
+
+
+def collect_beside(machine: Machine, busy: bool) -> Report:
+    """`check`'s report. `busy`: a run or clean holds the lock and `check` reads without it
+    (lock.shared_or_busy). Each file it reads is whole (replaced by rename), but a walk of
+    the root can meet a generation the run is deleting after its swap, or a name the swap
+    has just moved: then the report says that a setup is changing the state, nothing
+    more, and the verdict is "not ready yet"."""
+    if not busy:
+        return collect(machine)
+    try:
+        report = collect(machine)
+    except OSError as e:
+        report = Report(gpu=discover.has_gpu(machine), driver_version=None,
+                        module_version=discover.module_version(machine))
+        report.problems.append(Problem(
+            "setup-running", f"{e.filename or machine.driver_root} changed while check read "
+            f"it: a run holding {machine.lock_file} is replacing the state; check again when "
+            "it ends", str(machine.lock_file)))
+    report.setup_running = True
+    return report
