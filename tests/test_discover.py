@@ -179,7 +179,9 @@ def test_aarch64_machine_builds_an_aarch64_root(tmp_path: Path, cli: Cli,
             if info is not None and info.machine == "x86_64":
                 elfbuild.aarch64_so(lib.parent / lib.name, info.soname or lib.name)
     simgpu.debian_linker_files(m.root, "aarch64-linux-gnu")  # Debian's arm64 conf files
-    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
+    # Management mode: the x86_64 stand-in cannot load an aarch64 NVML.
+    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig,
+                   nvidia_ctk_args=["--mode=management"])
     out = cli(m.root, "run")
     # Helpers stay x86_64 here, so they are left out; libraries are aarch64.
     assert out.code == 0, out.stderr

@@ -86,7 +86,10 @@ def test_real_aarch64_driver_on_an_aarch64_machine(tmp_path: Path, cli: Cli,
     drv = fetch("arm64")
     m = real_machine(tmp_path, drv)
     simgpu.debian_linker_files(m.root, "aarch64-linux-gnu")  # Debian's arm64 conf files
-    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig)
+    # Management mode: the x86_64 stand-in cannot load the arm64 NVML (a real arm64
+    # nvidia-ctk would, on a GPU).
+    m.write_config(arch="aarch64", ldconfig=aarch64_ldconfig,
+                   nvidia_ctk_args=["--mode=management"])
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr
     lib = root_of(m) / "lib/aarch64-linux-gnu"
