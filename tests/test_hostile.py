@@ -835,7 +835,10 @@ def test_real_arm64_driver_next_to_the_real_amd64_driver(tmp_path: Path,
     (m.root / "usr/lib/aarch64-linux-gnu").mkdir(parents=True)
     for arch, drv, config in (("x86_64", amd, {}),
                               ("aarch64", arm, {"arch": "aarch64",
-                                               "ldconfig": aarch64_ldconfig})):
+                                               "ldconfig": aarch64_ldconfig,
+                                               # the x86_64 stand-in cannot load the
+                                               # arm64 NVML
+                                               "nvidia_ctk_args": ["--mode=management"]})):
         m.write_config(**config)
         tr = run_traced(m, timeout=180)
         confined(tr, m, tmp_path)

@@ -17,9 +17,7 @@ namespaced: the machine reads the host kernel's table.
 from __future__ import annotations
 
 import os
-import re
 import stat
-from dataclasses import dataclass
 
 from .config import Machine
 from .problems import Problem
@@ -27,8 +25,6 @@ from .problems import Problem
 FIXED_MAJOR = 195  # NV_MAJOR_DEVICE_NUMBER
 UVM = "nvidia-uvm"
 PROC_DEVICES = "/proc/devices"
-_FIXED = re.compile(r"nvidia(\d+|ctl|-modeset)")
-_GPU = re.compile(r"nvidia(\d+|ctl)")
 # Directories of nodes with dynamic majors, and the name their driver registers.
 _DIRS = {"nvidia-caps": "nvidia-caps",
          "nvidia-caps-imex-channels": "nvidia-caps-imex-channels"}
@@ -36,7 +32,6 @@ _DIRS = {"nvidia-caps": "nvidia-caps",
 # /dev/nvidia-uvm and -uvm-tools, /dev/nvidia-nvswitch<N> and -nvswitchctl,
 # /dev/nvidia-nvlink.
 _DYNAMIC = (UVM, "nvidia-nvswitch", "nvidia-nvlink")
-_LINE = re.compile(r" *(\d+) (\S.*)")
 _MAX_PROC_DEVICES = 1 << 16
 
 LOAD_UVM = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`) and bind /dev/nvidia-uvm "
@@ -48,13 +43,29 @@ LOAD_UVM_AND_RESTART = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`)
                         "the machine (systemd-nspawn@<machine>); systemd retries")
 
 
-@dataclass(frozen=True)
 class Node:
-    """An NVIDIA character device node under /dev, as the machine sees it."""
+    """An NVIDIA character device node under /dev, as the machine sees it. A plain class:
+    run imports this module on every boot, and @dataclass costs more to create than the
+    whole device check takes."""
 
-    path: str  # e.g. /dev/nvidia-uvm
-    major: int
-    minor: int
+    __slots__ = ("major", "minor", "path")
+
+    def __init__(self, path: str, major: int, minor: int) -> None:
+        self.path = path  # e.g. /dev/nvidia-uvm
+        self.major = major
+        self.minor = minor
+
+
+def _is_gpu(name: str) -> bool:
+    """nvidia<N> or nvidiactl (names are matched with str methods, not regular
+    expressions: compiling them on every boot cost more than matching)."""
+    rest = name[6:] if name.startswith("nvidia") else ""
+    return rest == "ctl" or rest.isdigit()
+
+
+def _is_fixed(name: str) -> bool:
+    """A node of the fixed major 195: nvidia<N>, nvidiactl, nvidia-modeset."""
+    return _is_gpu(name) or name == "nvidia-modeset"
 
 
 def parse(text: str) -> dict[int, set[str]] | None:
@@ -65,13 +76,13 @@ def parse(text: str) -> dict[int, set[str]] | None:
     if not lines or lines[0] != "Character devices:":
         return None
     majors: dict[int, set[str]] = {}
-    for number, line in enumerate(lines[1:], 1):
+    for index, line in enumerate(lines[1:], 1):
         if not line:  # the block devices follow, or the text was cut short
-            return majors if lines[number + 1:number + 2] == ["Block devices:"] else None
-        m = _LINE.fullmatch(line)
-        if m is None:
+            return majors if lines[index + 1:index + 2] == ["Block devices:"] else None
+        major, _, name = line.lstrip(" ").partition(" ")
+        if not (major.isascii() and major.isdigit()) or not name or name[0].isspace():
             return None
-        majors.setdefault(int(m.group(1)), set()).add(m.group(2))
+        majors.setdefault(int(major), set()).add(name)
     return None
 
 
@@ -121,7 +132,7 @@ def find_nodes(machine: Machine) -> tuple[list[Node], list[str]]:
         found = _char(f"{dev}/{name}")
         if found:
             nodes.append(Node(f"/dev/{name}", *found))
-        elif _FIXED.fullmatch(name) or name.startswith(_DYNAMIC):
+        elif _is_fixed(name) or name.startswith(_DYNAMIC):
             odd.append(f"/dev/{name}")
     return nodes, odd
 
@@ -152,7 +163,7 @@ def findings(machine: Machine) -> list[tuple[Problem, str]]:
     if "/dev/nvidiactl" not in have:
         missing("/dev/nvidiactl", "/dev/nvidiactl is missing: every NVIDIA program opens it",
                 BIND)
-    if not any(_GPU.fullmatch(p[5:]) and p != "/dev/nvidiactl" for p in have):
+    if not any(_is_gpu(p[5:]) and p != "/dev/nvidiactl" for p in have):
         missing("/dev", "no /dev/nvidia<N> GPU node in the machine", BIND)
     if f"/dev/{UVM}" not in have:
         missing(f"/dev/{UVM}", f"/dev/{UVM} is missing: CUDA needs it (the host has not "
