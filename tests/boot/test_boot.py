@@ -107,60 +107,6 @@ def test_no_gpu_boot(make_node: NodeFactory) -> None:
         record_timing("no-GPU boot", m, snap)
 
 
-def test_late_staging(make_node: NodeFactory) -> None:
-    """Devices present, the library staging dir empty at boot and filled from the host
-    ~8 s later: containerd waits (the setup retries, STATUS= says why), then comes up by
-    itself."""
-    node = make_node(staging_wait_seconds=2)
-    late = node.host / "late-staging-0"
-    late.mkdir()
-    full = node.staging["0"]
-    node.staging["0"] = late
-    with node.machine() as m:
-        m.wait_until(lambda: m.active_state(SETUP) == "activating", timeout=UP_TIMEOUT,
-                     what="setup activating", units=NODE_UNITS)
-        statuses: set[str] = set()
-        status_line = ""  # the `systemctl status` line once it explains the wait
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
-            snap = snapshot(m)
-            assert snap[CONTAINERD]["ActiveState"] == "inactive", snap
-            assert snap[KUBELET]["ActiveState"] == "inactive", snap
-            assert snap[SETUP]["ActiveState"] == "activating", snap
-            statuses.add(snap[SETUP]["StatusText"])
-            if "staging" not in status_line:
-                out = m.systemctl("status", SETUP).stdout
-                status_line = next((ln for ln in out.splitlines() if "Status:" in ln), "")
-            time.sleep(0.3)
-        assert any("/run/host-nvidia/0" in t and "staging" in t for t in statuses), statuses
-        assert "staging" in status_line and "/run/host-nvidia/0" in status_line, statuses
-        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
-        assert CONTAINERD in jobs and KUBELET in jobs, jobs
-        # What the host agent sees meanwhile: "activating", and "not ready yet" (no root
-        # yet, but the unit is still trying): wait.
-        assert is_active(m) == "activating"
-        report = check_json(m)
-        assert report["verdict"] == "not-ready-yet", report
-        assert report["unit"]["active_state"] == "activating", report
-        assert "root-missing" in {p["code"] for p in report["problems"]}, report
-
-        filled_us = now_us()
-        for entry in sorted(full.iterdir()):
-            os.rename(entry, late / entry.name)
-        snap = assert_gpu_node_ready(m, node, clean_journal=False)
-        s = snap[SETUP]
-        assert int(s["NRestarts"]) >= 1, s
-        assert us(s, "ActiveEnterTimestampMonotonic") >= filled_us
-        c = snap[CONTAINERD]
-        assert c["NRestarts"] == "0" and c["Result"] == "success", c
-        assert us(c, "ExecMainStartTimestampMonotonic") >= filled_us
-        errors = m.journal("--priority=warning", "--output=cat", unit=SETUP)
-        assert "staging" in errors, errors
-        wait = (us(c, "ExecMainStartTimestampMonotonic") - filled_us) / 1000
-        record_timing("late staging", m, snap,
-                      note=f"staging completed -> containerd start {wait:.0f} ms")
-
-
 def test_broken_staging_never_heals(make_node: NodeFactory) -> None:
     """libcuda missing from the staging for good: containerd and kubelet never start,
     the unit keeps retrying, `systemctl status` and the journal say why in one line."""

@@ -30,12 +30,14 @@ import toolkit
 from .harness import (
     CONTAINERD,
     GUEST_PROC_DRIVER,
+    KUBELET,
     NODE_UNITS,
     SETUP,
     Node,
     check_json,
     destroy_node,
     host_command,
+    is_active,
     new_node_on,
     record_timing,
     require,
@@ -248,6 +250,25 @@ def test_late_staging_containerd_socket_waits(cri_node: Any) -> None:
         assert m.active_state(SETUP) == "activating"
         assert m.active_state(CONTAINERD) == "inactive"
         assert not socket_present(m)
+        # What the operator and the host agent see meanwhile (this replaces the stand-in
+        # containerd's late-staging boot test): STATUS= names the empty staging, the
+        # start jobs of containerd and kubelet wait, the unit is "activating", and
+        # check's verdict is "not ready yet" (no root, but the unit is still trying).
+        # (STATUS= is empty between two attempts: wait for one that is waiting.)
+        m.wait_until(lambda: "/run/host-nvidia/0" in m.prop(SETUP, "StatusText")
+                     and "staging" in m.prop(SETUP, "StatusText"), timeout=UP_TIMEOUT,
+                     what="STATUS= naming the empty staging", units=NODE_UNITS)
+        m.wait_until(lambda: any("Status:" in ln and "staging" in ln for ln in
+                                 m.systemctl("status", SETUP).stdout.splitlines()),
+                     timeout=UP_TIMEOUT, what="`systemctl status` naming the staging",
+                     units=NODE_UNITS)
+        jobs = m.systemctl("list-jobs", "--plain", "--no-legend").stdout
+        assert CONTAINERD in jobs and KUBELET in jobs, jobs
+        assert is_active(m) == "activating"
+        report = check_json(m)
+        assert report["verdict"] == "not-ready-yet", report
+        assert report["unit"]["active_state"] == "activating", report
+        assert "root-missing" in {p["code"] for p in report["problems"]}, report
         filled = now_us()
         for entry in sorted(full.iterdir()):
             os.rename(entry, late / entry.name)
@@ -256,6 +277,9 @@ def test_late_staging_containerd_socket_waits(cri_node: Any) -> None:
         snap = snapshot(m)
         assert us(snap[CONTAINERD], "ExecMainStartTimestampMonotonic") >= filled
         assert us(snap[SETUP], "ActiveEnterTimestampMonotonic") >= filled
+        assert int(snap[SETUP]["NRestarts"]) >= 1, snap[SETUP]
+        assert snap[CONTAINERD]["NRestarts"] == "0", snap[CONTAINERD]
+        assert "staging" in m.journal("--priority=warning", "--output=cat", unit=SETUP)
         import_images(m)
         c = cn.client(m)
         report = probe(c, "gpu-c", GPU)
