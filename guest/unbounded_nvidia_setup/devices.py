@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import stat
 
+from . import discover
 from .config import Machine
 from .problems import Problem
 
@@ -39,8 +40,10 @@ LOAD_UVM = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`) and bind /d
 BIND = "on the host, bind the NVIDIA device nodes into the machine; systemd retries"
 RESTART_MACHINE = ("restart the machine from the host (systemd-nspawn@<machine>), which binds "
                    "the nodes of the modules loaded now; systemd retries")
-LOAD_UVM_AND_RESTART = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`), then restart "
-                        "the machine (systemd-nspawn@<machine>); systemd retries")
+LOAD_UVM_AND_RESTART = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`), then "
+                        + RESTART_MACHINE)
+NOT_BOUND = ("on the host, check `nvidia-smi` and the kernel log, then bind /dev/nvidia* into "
+             "the machine; nothing was changed; systemd retries")
 
 
 class Node:
@@ -199,3 +202,16 @@ def findings(machine: Machine) -> list[tuple[Problem, str]]:
 
 def problems(machine: Machine) -> list[Problem]:
     return [problem for problem, _ in findings(machine)]
+
+
+def staged_without_nodes(machine: Machine) -> Problem | None:
+    """On a machine without a GPU node: populated staging. The host agent mounts the
+    staging only after discovering GPU, devices and driver together, so this is a GPU node
+    whose devices did not arrive (a kernel update broke the module), not a CPU node."""
+    staged = discover.populated_staging(machine)
+    if not staged:
+        return None
+    return Problem("devices-not-bound", f"driver staging is mounted ({staged[0]}) but no "
+                   "NVIDIA device node is (/dev/nvidiactl, /dev/nvidia<N>): the host's nvidia "
+                   "module did not load or its devices were not bound into the machine",
+                   str(machine.at("/dev")))

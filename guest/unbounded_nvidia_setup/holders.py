@@ -81,8 +81,8 @@ def generation_prefix(machine: Machine) -> tuple[str, str] | None:
     if best is None:
         return None
     root, point = best
-    within = os.path.join(root, os.path.relpath(parent, point)).replace("/./", "/")
-    return device, os.path.normpath(within).rstrip("/") + "/" + GENERATION_PREFIX
+    within = os.path.normpath(os.path.join(root, os.path.relpath(parent, point)))
+    return device, within.rstrip("/") + "/" + GENERATION_PREFIX
 
 
 def container_of(cgroup_text: str) -> str | None:

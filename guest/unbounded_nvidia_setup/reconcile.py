@@ -165,18 +165,13 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
 
 
 def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:
-    """The host agent mounts the staging only after discovering the GPU, devices and
-    driver together: staging without a device node is a GPU node whose devices did not
-    arrive (a kernel update broke the module), not a CPU node. Nothing is removed."""
-    staged = discover.populated_staging(machine)
-    if not staged:
+    """Staging without a device node is a GPU node whose devices did not arrive: refuse,
+    removing nothing (devices.staged_without_nodes)."""
+    unbound = devices.staged_without_nodes(machine)
+    if unbound is None:
         return
     record.report, record.checked_at = collect(machine), time.time()
-    die(f"driver staging is mounted ({staged[0]}) but no NVIDIA device node is "
-        "(/dev/nvidiactl, /dev/nvidia<N>): the host's nvidia module did not load or its "
-        "devices were not bound into the machine",
-        hint="on the host, check `nvidia-smi` and the kernel log, then bind /dev/nvidia* "
-             "into the machine; nothing was changed; systemd retries", code=EXIT_TEMPFAIL)
+    die(unbound.message, hint=devices.NOT_BOUND, code=EXIT_TEMPFAIL)
 
 
 def _refuse_unless_devices(machine: Machine, record: RunRecord, *,

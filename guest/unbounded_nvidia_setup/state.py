@@ -252,15 +252,13 @@ def collect(machine: Machine, want: Manifest | None = None,
                     left_out=left_out)
     if not gpu:
         try:
-            staged = discover.populated_staging(machine)
+            unbound = devices.staged_without_nodes(machine)
         except Failure as e:
-            staged, report.problems = [], [Problem("staging-invalid", e.message,
-                                                   machine.staging_parent)]
-        if staged:  # a GPU node whose devices did not arrive: its state is kept
-            report.problems.append(Problem(
-                "devices-not-bound", f"driver staging is mounted ({staged[0]}) but no NVIDIA "
-                "device node is: the host's nvidia module did not load or its devices were "
-                "not bound", str(machine.at("/dev"))))
+            unbound = None
+            report.problems.append(Problem("staging-invalid", e.message,
+                                           machine.staging_parent))
+        if unbound is not None:  # its state is kept, not stale
+            report.problems.append(unbound)
             return report
         for path in (machine.driver_root, machine.cdi_spec, machine.ldconf_dropin):
             if os.path.lexists(path):
