@@ -416,3 +416,44 @@ def test_status_reaches_systemd(m: simgpu.SimMachine, tmp_path: Path) -> None:
         pass
     sock.close()
     assert any(msg.startswith("STATUS=Ready: driver") for msg in messages), messages
+
+
+@pytest.mark.parametrize("refusal", ["run-nvidia-symlink", "consumers", "shadowed"])
+def test_a_refused_run_keeps_the_older_agents_links(m: simgpu.SimMachine, cli: Cli,
+                                                    refusal: str) -> None:
+    """A run that refuses changes nothing, the older agent's links included: they go with
+    the change the run commits to, after every refusal was decided (issue 27), and check
+    still names them as legacy links."""
+    usr = m.root / "usr/lib" / MA
+    usr.mkdir(parents=True, exist_ok=True)
+    legacy = usr / f"libcuda.so.{m.version}"
+    os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}", legacy)
+    if refusal == "run-nvidia-symlink":
+        (m.root / "elsewhere").mkdir()
+        os.symlink("../elsewhere", m.root / "run/nvidia")
+    elif refusal == "consumers":
+        assert cli(m.root, "run").code == 0
+        os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}", legacy)
+        (m.root / f"run/host-nvidia/0/libnvidia-extra.so.{m.version}").write_bytes(
+            (m.lib_dir / f"libnvidia-ml.so.{m.version}").read_bytes())
+        os.utime(m.lib_dir / f"libcuda.so.{m.version}", (1, 1))
+        proc = m.root / "proc/4242"
+        proc.mkdir(parents=True)
+        (proc / "comm").write_text("kubelet\n")
+    else:
+        shutil.copy(m.lib_dir / f"libcuda.so.{m.version}", m.root / "usr/lib/libcuda.so.1")
+        conf = m.root / "etc/ld.so.conf.d/000-first.conf"
+        conf.write_text("/usr/lib\n")
+    before = snapshot(m)
+    out = cli(m.root, "run")
+    assert out.code != 0 and len(out.errors) == 1, out.stderr
+    assert os.path.islink(legacy), f"a refused run removed {legacy}: {out.stderr}"
+    assert snapshot(m) == before
+    report = json.loads(cli(m.root, "check", "--json").stdout)
+    assert str(legacy) in {p["path"] for p in report["problems"] if p["code"] == "legacy-link"}
+    if refusal == "run-nvidia-symlink":
+        (m.root / "run/nvidia").unlink()
+    elif refusal == "shadowed":
+        (m.root / "usr/lib/libcuda.so.1").unlink()
+    assert cli(m.root, "run", "--force").code == 0
+    assert not os.path.lexists(legacy)

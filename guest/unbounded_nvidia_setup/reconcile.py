@@ -135,6 +135,9 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         if new is not None:
             _refuse_if_out_of_time(machine, new)
+        # Every refusal is behind us: from here the run changes the live state.
+        linker.remove_legacy_links(machine)
+        if new is not None:
             generator.discard_early()
             undo.swapped, undo.old = True, tree.swap(new, live)
 
@@ -308,12 +311,12 @@ def _resolve_and_build(machine: Machine, force: bool,
         # line, while systemd retries (a first boot has no drift check yet).
         record.report, record.checked_at = collect(machine), time.time()
         raise
-    # Before the search order is judged: an older agent's links into the staging are
-    # never ours to keep, and in a directory searched before the drop-in (Debian's
-    # aarch64-linux-gnu.conf) they would be taken for a package's copies of the driver
-    # (docs/architecture.md, "The older agent's leftovers").
-    linker.remove_legacy_links(machine)
-    _refuse_if_shadowed(machine, plan, record)
+    # An older agent's links into the staging are never ours to keep, and in a directory
+    # searched before the drop-in (Debian's aarch64-linux-gnu.conf) they are no package's
+    # copies of the driver: the search order is judged without them. They are removed
+    # only once every refusal has been decided (_reconcile): a refused run changes
+    # nothing (docs/architecture.md, "The older agent's leftovers").
+    _refuse_if_shadowed(machine, plan, record, linker.legacy_links(machine))
     live = machine.driver_root
     tree.ensure_parent(machine.root, live.parent)
     tree.remove_leftovers(live.parent)
@@ -326,13 +329,14 @@ def _resolve_and_build(machine: Machine, force: bool,
 
 
 
-def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord) -> None:
+def _refuse_if_shadowed(machine: Machine, plan: Plan, record: RunRecord,
+                        leftovers: list[Path]) -> None:
     """A directory searched before the driver root's that holds one of its SONAMEs makes
     the machine's linker load that copy, so the end state could never be proven: refuse
     before building or changing anything, naming the conf file (docs/architecture.md,
     "The linker's search order"). Having changed nothing, the run records what `check`
     sees now, so its metrics name the cause while systemd retries."""
-    shadows = searchorder.shadows(machine, plan.sonames(machine.libdir))
+    shadows = searchorder.shadows(machine, plan.sonames(machine.libdir), leftovers)
     if not shadows:
         return
     record.report, record.checked_at = collect(machine), time.time()
