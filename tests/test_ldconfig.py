@@ -4,16 +4,17 @@ run verified, and a run whose end state is wrong is not Ready.
 glibc's ldconfig trusts an aux cache keyed by (inode, ctime in seconds, size, device); a new
 tmpfs hands out the same keys again, so equal-size libraries created in another order within
 one second get each other's SONAMEs, and a plain ldconfig rewrites SONAME links to the wrong
-files (FACTS.md). These tests make that happen with the real `run` and the real ldconfig."""
+files (FACTS.md). The clash test writes such an aux cache itself, in glibc's format, on the
+exact keys of the root's files, so that it does not depend on two runs meeting within one
+second; the runs and every ldconfig in these tests are the real ones."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
 import shutil
+import struct
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,65 @@ from test_run import check_json, codes, root_of, snapshot, spec_of
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
 LDCONFIG = shutil.which("ldconfig") or "/sbin/ldconfig"
+# A file's aux-cache key as glibc builds it from stat: inode, ctime seconds, size, device.
+Key = tuple[int, int, int, int]
 # Aux-cache key of a file -> the SONAME it really carries.
-Keys = dict[tuple[int, int, int, int], str | None]
+Keys = dict[Key, str | None]
+
+# glibc's aux cache as ldconfig reads it (elf/cache.c, load_aux_cache; 2.36 here): a
+# 24-byte magic ("glibc-ld.so.auxcache-2.0"), the number of entries and the size of the
+# string table; per entry the key (four 64-bit fields, in Key's order), the flags, the
+# SONAME's offset in the string table (0: none), the required OS version and a 32-bit field
+# kept as read; then the string table, which starts with an empty string. ldconfig ignores
+# a file whose size is not exactly that, so a layout read wrongly cannot pass unnoticed: the
+# writer below must give back glibc's own file byte for byte.
+AUX_CACHE = Path("var/cache/ldconfig/aux-cache")
+AUX_HEAD = struct.Struct("<24sII")
+AUX_ENTRY = struct.Struct("<QQQQiIIi")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxEntry:
+    key: Key
+    flags: int
+    soname: str | None
+    osversion: int
+    last: int
+
+
+def read_aux_cache(m: simgpu.SimMachine) -> tuple[bytes, list[AuxEntry]]:
+    data = (m.root / AUX_CACHE).read_bytes()
+    magic, count, strings_size = AUX_HEAD.unpack_from(data)
+    assert magic.startswith(b"glibc-ld.so.auxcache-"), magic
+    table = AUX_HEAD.size + count * AUX_ENTRY.size
+    assert len(data) == table + strings_size, "not an aux cache this ldconfig reads"
+    strings = data[table:]
+    entries = []
+    for i in range(count):
+        ino, ctime, size, dev, flags, offset, osversion, last = AUX_ENTRY.unpack_from(
+            data, AUX_HEAD.size + i * AUX_ENTRY.size)
+        soname = strings[offset:strings.index(b"\0", offset)].decode() if offset else None
+        entries.append(AuxEntry((ino, ctime, size, dev), flags, soname, osversion, last))
+    assert aux_cache_bytes(magic, entries) == data
+    return magic, entries
+
+
+def aux_cache_bytes(magic: bytes, entries: list[AuxEntry]) -> bytes:
+    """The aux cache file as glibc's save_aux_cache writes these entries."""
+    strings = bytearray(b"\0")
+    table = bytearray()
+    for entry in entries:
+        offset = 0
+        if entry.soname is not None:
+            offset = len(strings)
+            strings += entry.soname.encode() + b"\0"
+        table += AUX_ENTRY.pack(*entry.key, entry.flags, offset, entry.osversion, entry.last)
+    return AUX_HEAD.pack(magic, len(entries), len(strings)) + bytes(table) + bytes(strings)
+
+
+def claimed(m: simgpu.SimMachine) -> dict[Key, str | None]:
+    """What the machine's aux cache says each key's SONAME is."""
+    return {entry.key: entry.soname for entry in read_aux_cache(m)[1]}
 
 
 def equal_size_machine(root: Path) -> simgpu.SimMachine:
@@ -52,22 +110,39 @@ def equal_size_machine(root: Path) -> simgpu.SimMachine:
     return m
 
 
+def key_of(path: Path) -> Key:
+    """The aux-cache key of the file at `path` (a link: of the file it leads to)."""
+    st = path.stat()
+    return st.st_ino, int(st.st_ctime), st.st_size, st.st_dev
+
+
 def aux_keys(m: simgpu.SimMachine) -> Keys:
     keys: Keys = {}
     for path in (root_of(m) / "lib" / MA).iterdir():
         if path.is_file() and not path.is_symlink():
-            st = path.stat()
             with open(path, "rb") as f:
                 info = read_elf(f)
-            keys[(st.st_dev, st.st_ino, int(st.st_ctime), st.st_size)] = (
-                info.soname if info else None)
+            keys[key_of(path)] = info.soname if info else None
     return keys
 
 
-def sonames_clash(before: Keys, after: Keys) -> int:
-    """How many files of `after` share an aux-cache key with a file of `before` that carries
-    another SONAME: the files a trusted aux cache would give the wrong SONAME."""
-    return sum(1 for key, soname in after.items() if key in before and before[key] != soname)
+def stale_aux_cache(m: simgpu.SimMachine, live: Keys) -> bytes:
+    """The aux cache the run's ldconfig wrote, with every driver library's entry given the
+    SONAME of the library of the same size at the next inode number (the last one that of
+    the first): what the previous boot's libraries leave when a new tmpfs hands their keys
+    out again one inode later (issue 9), on every library instead of on those a race hit."""
+    magic, entries = read_aux_cache(m)
+    # `ldconfig -i` read every library of the root and keyed it as stat does here.
+    assert {e.key: e.soname for e in entries if e.key in live} == live
+    groups: dict[int, list[AuxEntry]] = {}
+    for entry in sorted((e for e in entries if e.key in live), key=lambda e: e.key):
+        groups.setdefault(entry.key[2], []).append(entry)
+    moved = {}
+    for group in groups.values():
+        assert len(group) > 1, group
+        for entry, other in zip(group, group[1:] + group[:1], strict=True):
+            moved[entry.key] = dataclasses.replace(entry, soname=other.soname)
+    return aux_cache_bytes(magic, [moved.get(e.key, e) for e in entries])
 
 
 def problems(report: dict[str, object], code: str) -> list[dict[str, str]]:
@@ -82,67 +157,62 @@ def links_right(m: simgpu.SimMachine) -> None:
         assert os.path.realpath(lib / name) == str(lib / target), (name, os.readlink(lib / name))
 
 
-def at_a_second_start() -> None:
-    """Both runs must create their files within one second for the aux-cache keys to meet."""
-    time.sleep(1.02 - time.time() % 1)
-
-
-@contextlib.contextmanager
-def realtime() -> Iterator[None]:
-    """This process and its children (the runs, ldconfig, nvidia-ctk) in the real-time
-    FIFO class: the scenario needs both runs' files made within one second, which a loaded
-    2-core machine (seen: load 8-12 in a clean-clone run beside other jobs) otherwise
-    stretches past the second in every attempt. Real-time threads are throttled by the
-    kernel (sched_rt_runtime_us), so nothing else starves."""
-    before = os.sched_getscheduler(0), os.sched_getparam(0)
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-    try:
-        yield
-    finally:
-        os.sched_setscheduler(0, before[0], before[1])
-
-
-def remount(path: Path) -> None:
-    subprocess.run(["umount", str(path)], check=True)
-    mount_tmpfs(path, "size=64m")
-
-
 def test_stale_aux_cache_after_a_tmpfs_remount_changes_nothing(tmp_path: Path, cli: Cli,
                                                                mounts: list[Path]) -> None:
-    """The issue's reproduction against the real run: two runs, each on a new tmpfs, within
-    one second; the second creates equal-size libraries on the inode numbers the first one's
-    other libraries had (one inode is taken first). Then a plain ldconfig, as dpkg's libc-bin
-    trigger runs after a package install. `check` passes after each."""
+    """The issue's clash against the real run. The machine's aux cache holds, on the exact
+    key of every driver library in the root, another library's SONAME, as after a tmpfs
+    remount that handed the previous boot's keys out again; the run (its `ldconfig -i -X`)
+    meets it. Then a plain ldconfig, as dpkg's libc-bin trigger runs after a package
+    install. `check` passes after each. The same stale entries with no run in between make
+    that plain ldconfig re-point the links: they are entries this ldconfig trusts.
+
+    The entries are written, not waited for: the root's files keep their keys while the
+    root stays (a restart's run), so the run meets them every time, where two runs on new
+    mounts within one second and on one device number met only by chance."""
     m = equal_size_machine(tmp_path / "root")
     run_nvidia = m.root / "run/nvidia"
-    mount_tmpfs(run_nvidia, "size=64m")
+    mount_tmpfs(run_nvidia, "size=64m")  # /run on a boot
     mounts.append(run_nvidia)
-    clashes = 0
-    # The clash needs both runs inside one second and the same anonymous device number for
-    # both tmpfs mounts; a scenario that missed either is set up again (each one still has
-    # to end right), and at least one must have met both.
-    for _ in range(5):
-        at_a_second_start()
-        with realtime():
-            assert cli(m.root, "run").code == 0
-            first = aux_keys(m)
-            remount(run_nvidia)
-            (run_nvidia / "first-inode").mkdir()  # every later inode number moves by one
-            out = cli(m.root, "run")
-        assert out.code == 0, out.stderr
-        second = aux_keys(m)
-        links_right(m)
-        assert check_json(cli, m)["ok"] is True
+    assert cli(m.root, "run").code == 0
+    live = aux_keys(m)
+    sonames = set(live.values())
+    stale = stale_aux_cache(m, live)
+    aux = m.root / AUX_CACHE
+    aux.write_bytes(stale)
+    stale_said = claimed(m)
+    for key, soname in live.items():
+        assert stale_said.get(key) in sonames - {soname}, (key, soname, stale_said.get(key))
 
-        subprocess.run([LDCONFIG, "-r", str(m.root)], check=True)  # a package install
-        links_right(m)
-        report = check_json(cli, m)
-        assert report["ok"] is True, report["problems"]
-        clashes = sonames_clash(first, second)
-        if clashes:
-            break
-        remount(run_nvidia)
-    assert clashes, "no run created a library on another library's aux-cache key"
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    assert aux_keys(m) == live  # the files kept their keys: its ldconfig met every entry
+    links_right(m)
+    assert check_json(cli, m)["ok"] is True
+    # `-i`: the aux cache is written again from the files, every key with its own SONAME.
+    said = claimed(m)
+    assert {key: said.get(key) for key in live} == live
+
+    subprocess.run([LDCONFIG, "-r", str(m.root)], check=True)  # a package install
+    links_right(m)
+    report = check_json(cli, m)
+    assert report["ok"] is True, report["problems"]
+
+    # Without the run in between, the same plain ldconfig believes every stale entry: each
+    # SONAME link of the root now leads to the library whose key claimed that SONAME.
+    assert aux_keys(m) == live
+    aux.write_bytes(stale)
+    subprocess.run([LDCONFIG, "-r", str(m.root)], check=True)
+    lib = root_of(m) / "lib" / MA
+    claimant = {soname: key for key, soname in stale_said.items() if key in live}
+    links = {name for name in m.expected_links if name in sonames}
+    assert {"libcuda.so.1", "libnvidia-ml.so.1"} <= links
+    for name in links:
+        assert key_of(lib / name) == claimant[name], name
+        assert live[claimant[name]] != name
+    report = check_json(cli, m)
+    assert {"root-wrong-link", "ldcache-stale"} <= codes(report)
+    flagged = problems(report, "root-wrong-link") + problems(report, "root-missing-link")
+    assert {str(lib / name) for name in links} <= {p["path"] for p in flagged}
 
 
 def test_plain_ldconfig_after_a_good_run_keeps_check_ok(tmp_path: Path, cli: Cli) -> None:
