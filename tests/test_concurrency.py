@@ -50,6 +50,8 @@ from invariants import (
     traced,
 )
 from test_crash import Swapper, assert_whole, held_nvidia_ctk, swapper
+from unbounded_nvidia_setup import state, tree
+from unbounded_nvidia_setup.config import Machine, load_config
 from unbounded_nvidia_setup.plan import Manifest
 
 import simgpu
@@ -216,6 +218,30 @@ def test_runs_race_checks_and_cleans(tmp_path: Path) -> None:
     assert sum(seen.values()) == 3 * commands.count("check"), seen  # every check counted
     assert run_cli(m.root, "run").code == 0
     assert check_report(run_cli(m.root, "check", "--json"))["ok"] is True
+
+
+def test_a_clean_between_the_walk_and_the_library_check_is_no_broken_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window test_runs_race_checks_and_cleans once met at random, made certain: a
+    clean renames the root away after a lock-free check walked it and before it read the
+    libraries' links and SONAMEs. That check says a setup is changing the state; it
+    never names files missing from a root that is simply gone."""
+    m = simgpu.make_machine(tmp_path / "root")
+    assert run_cli(m.root, "run").code == 0
+    config, _ = load_config(m.root, None)
+    machine = Machine.create(m.root, config)
+    walk = tree.manifest
+
+    def walk_then_clean(root: Path) -> Manifest | None:
+        have = walk(root)
+        if root == machine.driver_root:
+            tree.unswap(root, None)
+        return have
+
+    monkeypatch.setattr(tree, "manifest", walk_then_clean)
+    report = state.collect_beside(machine, busy=True)
+    assert [p.code for p in report.problems] == ["setup-running"], report.problems
+    assert report.verdict == "not-ready-yet"
 
 
 def _walk(dirfd: int, prefix: str, out: dict[str, tuple[object, ...]]) -> None:

@@ -313,14 +313,31 @@ def collect_beside(machine: Machine, busy: bool) -> Report:
     more, and the verdict is "not ready yet"."""
     if not busy:
         return collect(machine)
+    # The root is read more than once (its walk, then its libraries' links and SONAMEs): a
+    # swap or clean in between leaves no error, only a root that seems to lack files. Its
+    # identity before and after tells the two apart.
+    before = _identity(machine.driver_root)
+    changed: str | None = None
     try:
         report = collect(machine)
+        if _identity(machine.driver_root) != before:
+            changed = str(machine.driver_root)
     except OSError as e:
+        changed = e.filename or str(machine.driver_root)
+    if changed is not None:
         report = Report(gpu=discover.has_gpu(machine), driver_version=None,
                         module_version=discover.module_version(machine))
         report.problems.append(Problem(
-            "setup-running", f"{e.filename or machine.driver_root} changed while check read "
-            f"it: a run holding {machine.lock_file} is replacing the state; check again when "
-            "it ends", str(machine.lock_file)))
+            "setup-running", f"{changed} changed while check read it: a run holding "
+            f"{machine.lock_file} is replacing the state; check again when it ends",
+            str(machine.lock_file)))
     report.setup_running = True
     return report
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
