@@ -17,7 +17,9 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-import debian_ldconfig  # noqa: E402  (tests/ is on the path from here on)
+import procdriver  # noqa: E402  (tests/ is on the path from here on)
+
+import debian_ldconfig  # noqa: E402  (found through the path just set)
 import elfbuild  # noqa: E402  (found through the path just set)
 import realdriver  # noqa: E402  (found through the path just set)
 import simgpu  # noqa: E402  (found through the path just set)
@@ -63,14 +65,25 @@ class Outcome:
 
 
 def invoke(root: Path | None, *args: str, env: dict[str, str] | None = None,
-           timeout: float = 120) -> Outcome:
+           timeout: float = 120, proc_driver: bool = False) -> Outcome:
+    """The CLI as a subprocess. ``proc_driver``: in a private mount namespace where the
+    machine's proc/driver is the host's /proc/driver (tests/procdriver.py), as nvidia-ctk
+    needs to find a simulated machine's MIG caps."""
     argv = [sys.executable, "-m", "unbounded_nvidia_setup"]
     if root is not None:
         argv += ["--root", str(root)]
+    argv += args
+    if proc_driver:
+        if root is None:
+            raise ValueError("proc_driver=True needs the machine's root")
+        why = procdriver.available()
+        if why is not None:
+            unmet(f"a private /proc/driver: {why}")
+        argv = procdriver.in_private_proc_driver(root, argv)
     full_env = {**os.environ, **(env or {})}
     full_env.pop("NOTIFY_SOCKET", None)
     full_env.pop("JOURNAL_STREAM", None)
-    proc = subprocess.run([*argv, *args], capture_output=True, text=True, env=full_env,
+    proc = subprocess.run(argv, capture_output=True, text=True, env=full_env,
                           timeout=timeout, stdin=subprocess.DEVNULL)
     out = Outcome(proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -106,7 +119,7 @@ def m(tmp_path: Path) -> simgpu.SimMachine:
 @pytest.fixture(scope="session")
 def so_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Compiles (once per SONAME) a real shared object with that DT_SONAME; libnvidia-ml
-    (libnvidia-ml.so.1) with NVML's entry points, as the real one has them. Used by the
+    (libnvidia-ml.so.1) is the simulated NVML (tests/simnvml.c). Used by the
     nvidia-ctk and nvidia-cdi-hook stand-in tests."""
     if shutil.which("gcc") is None:
         unmet("gcc is needed to build real ELF shared objects")

@@ -1,11 +1,12 @@
-"""Real ELF objects for tests: gcc-built shared objects and programs, cached, and the NVML stub.
+"""Real ELF objects for tests: gcc-built shared objects and programs (cached), simulated NVML.
 
 Everything that looks like an ELF object in the tests is a REAL one built by gcc (except
 where a function says it is hand-made), so the product's ELF reader, ``ldconfig -r`` and
 the nvidia-ctk stand-in all see genuine shared objects with genuine DT_SONAMEs. The
-simulated libnvidia-ml exports NVML's entry points (NVML_ENTRY_POINTS), answering like the
-real library on a machine without a loaded NVIDIA kernel module: the nvidia-ctk stand-in
-loads it and calls nvmlInit_v2 as the real tool does.
+simulated libnvidia-ml (tests/simnvml.c) exports NVML's entry points (NVML_ENTRY_POINTS)
+and answers like the real library from the simulated machine it sits in: the GPUs its
+kernel module lists, or, without them, as on a machine without a loaded NVIDIA kernel
+module. NVIDIA's real nvidia-ctk and the stand-in both load it and call it.
 
 Compiled objects are cached in ``$XDG_CACHE_HOME/unbounded-nvidia-setup-tests/elf``
 (default ``~/.cache/...``), keyed by a hash of compiler, C source and flags; writes go
@@ -72,38 +73,39 @@ def _so_source(tag: str) -> str:
 
 
 NVML_SONAME = "libnvidia-ml.so.1"
-# NVML's entry points as the real libnvidia-ml answers them without a loaded NVIDIA kernel
-# module (Debian's 535.309.01, called with ctypes here): every init returns 9
-# (NVML_ERROR_DRIVER_NOT_LOADED), queries 1 (NVML_ERROR_UNINITIALIZED), shutdown 0.
-# nvidia-ctk loads the libnvidia-ml.so.1 of the driver root and calls nvmlInit_v2 (else
-# nvmlInit) even in management mode; a library without them kills it (FACTS.md).
-NVML_ENTRY_POINTS = ("nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlShutdown",
-                     "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
-                     "nvmlDeviceGetCount_v2", "nvmlErrorString")
-_NVML_SOURCE = """\
-#define NVML_API __attribute__((visibility("default")))
-NVML_API int nvmlInit(void) { return 9; }
-NVML_API int nvmlInit_v2(void) { return 9; }
-NVML_API int nvmlInitWithFlags(unsigned int flags) { (void)flags; return 9; }
-NVML_API int nvmlShutdown(void) { return 0; }
-NVML_API int nvmlSystemGetDriverVersion(char *version, unsigned int length)
-{ (void)version; (void)length; return 1; }
-NVML_API int nvmlDeviceGetCount(unsigned int *count) { (void)count; return 1; }
-NVML_API int nvmlDeviceGetCount_v2(unsigned int *count) { (void)count; return 1; }
-NVML_API const char *nvmlErrorString(int result)
-{
-    switch (result) {
-    case 0: return "Success";
-    case 1: return "Uninitialized";
-    case 9: return "Driver Not Loaded";
-    default: return "Unknown Error";
-    }
-}
-"""
+# The simulated libnvidia-ml (tests/simnvml.c): NVML's entry points, answering from the
+# simulated machine the library sits in (its GPUs, lost GPUs, MIG devices; see the C
+# file). Without a GPU there (no /dev/nvidiactl, no GPU information file), as the real
+# library on a machine without a loaded NVIDIA kernel module (Debian's 535.309.01, called
+# with ctypes here): every init returns 9 (NVML_ERROR_DRIVER_NOT_LOADED), queries 1
+# (NVML_ERROR_UNINITIALIZED), shutdown 0. nvidia-ctk loads the libnvidia-ml.so.1 of the
+# driver root and calls nvmlInit_v2 (else nvmlInit) even in management mode; a library
+# without them kills it (FACTS.md). Every name here is exported (tests check it).
+NVML_ENTRY_POINTS = (
+    "nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlShutdown", "nvmlErrorString",
+    "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount", "nvmlDeviceGetCount_v2",
+    "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
+    "nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetUUID", "nvmlDeviceGetMinorNumber",
+    "nvmlDeviceGetName", "nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2",
+    "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetIndex", "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceIsMigDeviceHandle", "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+    "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
+    "nvmlDeviceGetAttributes", "nvmlDeviceGetAttributes_v2", "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetGpuInstanceById", "nvmlDeviceGetGpuInstanceProfileInfo",
+    "nvmlGpuInstanceGetInfo", "nvmlGpuInstanceGetComputeInstanceById",
+    "nvmlGpuInstanceGetComputeInstanceProfileInfo", "nvmlComputeInstanceGetInfo",
+    "nvmlComputeInstanceGetInfo_v2",
+)
+NVML_SOURCE_FILE = Path(__file__).resolve().parent / "simnvml.c"
+_NVML_SOURCE = NVML_SOURCE_FILE.read_text()
+# A string only the simulated library holds (SimMachine.nvml_answers looks for it).
+NVML_MARKER = b"unbounded-nvidia-setup simulated NVML"
 
 
 def nvml_source() -> str:
-    """C source of the simulated NVML entry points (NVML_ENTRY_POINTS)."""
+    """C source of the simulated libnvidia-ml's NVML (tests/simnvml.c)."""
     return _NVML_SOURCE
 
 
@@ -269,10 +271,14 @@ def aarch64_so(out: Path, soname: str) -> None:
     EM_AARCH64 (183). Its header, program headers and dynamic section parse like any
     aarch64 object (which is all a loader-independent tool reads); its code is x86."""
     flags = [*_so_flags(soname), "-nostdlib"]
+    data = None
     if shutil.which("aarch64-linux-gnu-gcc") and _probe("aarch64", "aarch64-linux-gnu-gcc", flags):
-        data = _build("aarch64-linux-gnu-gcc", _source_for(soname, f"aarch64:{soname}", None),
-                      flags)
-    else:
+        try:  # the simulated NVML includes libc headers, which a bare cross gcc may lack
+            data = _build("aarch64-linux-gnu-gcc",
+                          _source_for(soname, f"aarch64:{soname}", None), flags)
+        except CompileError:
+            data = None
+    if data is None:
         patched = bytearray(so_bytes(soname, tag=f"aarch64:{soname}"))
         struct.pack_into("<H", patched, 18, EM_AARCH64)
         data = bytes(patched)

@@ -1,10 +1,12 @@
 """What a real Debian GPU node machine has beside the driver, for tests/simgpu.py and
 everything else that builds a machine: Debian's own linker conf files, /proc/devices as
-the kernel writes it, and the older agent's leftovers made as it made them."""
+the kernel writes it, device nodes, and the older agent's leftovers made as it made
+them."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,17 @@ import drivertables
 
 if TYPE_CHECKING:
     import simgpu
+
+
+def mknod_char(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
+    """A character device node at ``path``, mode ``mode`` whatever the umask."""
+    try:
+        os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
+        os.chmod(path, mode)  # mknod's mode is filtered by the umask
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot mknod {path} (character devices need root / CAP_MKNOD)"
+        ) from exc
 
 
 # Debian's own linker configuration, byte for byte (libc-bin's libc.conf, libc6's

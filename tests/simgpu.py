@@ -16,15 +16,38 @@ Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version):
     run/host-nvidia/2/            host firmware dir: nvidia/<ver>/gsp_*.bin (+ a stale version)
     dev/nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools nvidia-modeset   (char devices)
     proc/driver/nvidia/version    kernel module version, real format (open or proprietary)
-    proc/driver/nvidia/gpus/<bus>/information   one per GPU (uuid, device minor): the GPUs
-                                  answer NVML, for the nvidia-ctk stand-in (nvml.kernel_gpus)
+    proc/driver/nvidia/gpus/<bus>/information   one per GPU (uuid, device minor), what the
+                                  kernel module writes: the GPUs the simulated NVML lists
     proc/devices                  as the kernel writes it, with the nodes' majors
     etc/ld.so.conf, etc/ld.so.conf.d/{libc,x86_64-linux-gnu}.conf   Debian's own, verbatim
     lib -> usr/lib, usr/lib/x86_64-linux-gnu/, usr/local/lib/, run/lock/   (merged /usr)
 
+The staging's libnvidia-ml is the simulated NVML (tests/simnvml.c, built by elfbuild):
+loaded from anywhere under the machine (its staging ``<root>/run/host-nvidia/0``, the
+product's driver root ``<root>/run/nvidia/driver``), it finds the machine by its own
+real path, the part before ``/run/host-nvidia/`` or ``/run/nvidia/`` (``""``, the
+machine's own /, in a booted test machine), and answers from the machine's files: the
+product under ``--root <root>``, the nvidia-ctk stand-in and NVIDIA's real nvidia-ctk
+all read the same simulated machine, with no environment variable. Its GPUs answer
+while ``dev/nvidiactl`` is a character device and the kernel module lists them; a GPU
+is made to fall off the bus (``simnvml.lose_gpu``) or to run MIG (``simnvml.enable_mig``)
+in a file beside its information file that only the simulation writes (tests/simnvml.py
+changes what a made machine's GPUs say)::
+
+    proc/driver/nvidia/gpus/<bus>/simulated-nvml   "lost", "mig", "mig-device <slot> <gi>
+                                  <ci> <gi profile> <ci profile> <MIG-uuid>" lines
+
+MIG also writes what the kernel module has then: ``proc/driver/nvidia-caps/mig-minors``
+(read by nvidia-ctk from the HOST's absolute /proc: run it with the machine's
+``proc/driver`` bound over /proc/driver, tests/procdriver.py),
+``proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>[/ci<C>]/access`` and the
+``dev/nvidia-caps/nvidia-cap<M>`` nodes (major: ``nvidia-caps`` in ``proc/devices``).
+``simnvml.add_imex_channels`` makes IMEX channel nodes.
+
 A machine made with ``gpu=False`` is a CPU node: no device nodes and no staging. One made
-with ``nvml=False`` has GPUs no NVML answers (the real nvidia-ctk on this GPU-less host
-sees every machine so): its config then asks for ``--mode=management``.
+with ``nvml=False`` has GPUs no NVML answers (no information files): its config then asks
+for ``--mode=management``; so does a machine whose staging holds another libnvidia-ml
+(the real Debian one of tests/realmachine.py answers 9 here, as without a GPU).
 :func:`debian_linker_files` gives a machine another architecture's conf files (arm64:
 ``aarch64-linux-gnu.conf``, which sorts before the drop-in), and
 :func:`leave_old_agent_links` the older agent's leftovers, made as it made them.
@@ -53,7 +76,9 @@ import toolkit
 from nodefiles import NVIDIA_MAJORS as NVIDIA_MAJORS
 from nodefiles import debian_linker_files as debian_linker_files
 from nodefiles import leave_old_agent_links as leave_old_agent_links
+from nodefiles import mknod_char
 from nodefiles import write_proc_devices as write_proc_devices
+from simnvml import add_gpu_information
 
 MULTIARCH = "x86_64-linux-gnu"
 DEFAULT_VERSION = "550.127.05"
@@ -96,7 +121,9 @@ class SimMachine:
     hostile: list[str]  # names in lib_dir a correct tool must skip
     unrelated: list[str]  # unrelated names in lib_dir (libraries, links and other files)
     devices: list[str]  # names under dev/
-    nvml_gpus: list[str]  # uuids of the GPUs that answer NVML, in device index order
+    # uuids of the GPUs the kernel module lists (NVML's), in NVML index order; a lost GPU
+    # (simnvml.lose_gpu) keeps its place
+    nvml_gpus: list[str]
 
     multiarch: str = MULTIARCH
 
@@ -118,9 +145,16 @@ class SimMachine:
 
     @property
     def nvml_answers(self) -> bool:
-        """Whether the tests' nvidia-ctk finds a GPU through NVML here: the stand-in does
-        on a machine whose GPUs answer; the real one, on this GPU-less host, never."""
-        return bool(self.nvml_gpus) and not toolkit.REAL
+        """Whether nvidia-ctk (the stand-in or the real one alike) finds GPUs through NVML
+        here: the kernel module lists GPUs and the staging's libnvidia-ml is the
+        simulated one (a real Debian one answers 9 on this GPU-less host)."""
+        if not self.nvml_gpus:
+            return False
+        try:
+            data = (self.lib_dir / f"libnvidia-ml.so.{self.version}").read_bytes()
+        except OSError:
+            return False
+        return elfbuild.NVML_MARKER in data
 
     def nvidia_ctk_args(self) -> list[str]:
         """The product's default (no --mode: nvidia-ctk's auto, NVML mode on a GPU node)
@@ -182,16 +216,6 @@ def _rel_link(directory: Path, name: str, target: str) -> None:
     os.symlink(target, link)
 
 
-def _mknod_char(path: Path, major: int, minor: int, mode: int = 0o666) -> None:
-    try:
-        os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
-        os.chmod(path, mode)  # mknod's mode is filtered by the umask
-    except PermissionError as exc:
-        raise PermissionError(
-            f"cannot mknod {path} (character devices need root / CAP_MKNOD)"
-        ) from exc
-
-
 def _make_socket(directory: Path, name: str) -> None:
     """A unix socket file; bound through /proc/self/fd/<dirfd>/ so long paths work."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -235,7 +259,7 @@ def _add_hostile(
     _make_socket(lib, name("socket"))
     skip.append(name("socket"))
     # Character device (1,3 = /dev/null: a tool that reads it copies an empty file).
-    _mknod_char(lib / name("chardev"), 1, 3)
+    mknod_char(lib / name("chardev"), 1, 3)
     skip.append(name("chardev"))
     # Directory with a library name, holding a real library (a tool must not recurse).
     (lib / name("dir")).mkdir()
@@ -290,7 +314,7 @@ def make_machine(
     files, 1.0: a full-size ~0.8 GB driver). ``libcuda_link=False`` leaves out
     ``libcuda.so.1`` and ``libcuda.so``. ``toolkit_libs`` adds CUDA toolkit / container
     toolkit libraries (TOOLKIT_LIBS) that are not driver files. ``nvml``: the GPUs
-    answer NVML (:func:`add_gpu_information`); False: no GPU does. ``module_flavor``:
+    answer NVML (``simnvml.add_gpu_information``); False: no GPU does. ``module_flavor``:
     the kernel module's version line, "open" or "proprietary" (:func:`module_version_text`;
     default :func:`default_module_flavor`, so the suite meets both)."""
     if module_version == SAME_AS_VERSION:
@@ -420,7 +444,7 @@ def make_machine(
     nvml_gpus: list[str] = []
     if gpu:
         for dname, major, minor in drivertables.DEVICES:
-            _mknod_char(dev / dname, major, minor)
+            mknod_char(dev / dname, major, minor)
             devices.append(dname)
             if nvml and dname[len("nvidia"):].isdigit():
                 nvml_gpus.append(add_gpu_information(root, minor, version))
@@ -489,57 +513,6 @@ def module_version_text(version: str, flavor: str = "proprietary",
         raise ValueError(f"module flavor {flavor!r}: expected one of {MODULE_FLAVORS}")
     return (f"NVRM version: {banner}\n"
             "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14) \n")
-
-
-def gpu_uuid(minor: int) -> str:
-    """A stable GPU uuid for the GPU at /dev/nvidia<minor>, in NVML's form."""
-    import uuid
-
-    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"unbounded-nvidia-setup/gpu/{minor}"))
-
-
-def add_gpu_information(root: Path, minor: int, firmware: str = DEFAULT_VERSION) -> str:
-    """The kernel module's ``proc/driver/nvidia/gpus/<PCI bus id>/information`` for the GPU
-    at /dev/nvidia<minor> (the real file's lines and tabs): the nvidia-ctk stand-in's
-    NVML lists the GPUs written so (tests/fakes/nvidia_ctk/nvml.py kernel_gpus). Returns
-    the GPU's uuid."""
-    uuid = gpu_uuid(minor)
-    bus = f"0000:{0x17 + 0x10 * minor:02x}:00.0"
-    info = root / "proc" / "driver" / "nvidia" / "gpus" / bus / "information"
-    info.parent.mkdir(parents=True, exist_ok=True)
-    info.write_text(
-        "Model: \t\t NVIDIA H100 80GB HBM3\n"
-        f"IRQ:   \t\t {120 + minor}\n"
-        f"GPU UUID: \t {uuid}\n"
-        "Video BIOS: \t 96.00.74.00.0d\n"
-        "Bus Type: \t PCIe\n"
-        "DMA Size: \t 52 bits\n"
-        "DMA Mask: \t 0xfffffffffffff\n"
-        f"Bus Location: \t {bus}\n"
-        f"Device Minor: \t {minor}\n"
-        f"GPU Firmware: \t {firmware}\n"
-        "GPU Excluded:\t No\n"
-    )
-    return uuid
-
-
-def silence_nvml(m: SimMachine) -> None:
-    """The machine's GPUs no longer answer NVML (their information files go): nvidia-ctk's
-    default mode then fails as it does without a GPU."""
-    shutil.rmtree(m.root / "proc" / "driver" / "nvidia" / "gpus", ignore_errors=True)
-    m.nvml_gpus.clear()
-
-
-def add_gpu(m: SimMachine, minor: int) -> str:
-    """A GPU arrives (what a reload is for): its /dev/nvidia<minor> (major 195) and, when
-    the machine's GPUs answer NVML, its information file. Returns its uuid."""
-    _mknod_char(m.root / "dev" / f"nvidia{minor}", 195, minor)
-    m.devices.append(f"nvidia{minor}")
-    uuid = gpu_uuid(minor)
-    if m.nvml_gpus:
-        add_gpu_information(m.root, minor, m.version)
-        m.nvml_gpus.append(uuid)
-    return uuid
 
 
 def _tree_size(root: Path) -> int:

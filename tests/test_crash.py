@@ -218,7 +218,11 @@ def manifest_of(m: simgpu.SimMachine) -> Manifest:
 
 def swapper(tmp_path: Path, real: realdriver.RealDriver | None = None) -> Swapper:
     m = simgpu.make_machine(tmp_path / "root", stale_versions=())
-    m.write_config()
+    # The real driver's libnvidia-ml answers Driver Not Loaded on this GPU-less host, and
+    # nvidia-ctk's NVML mode then fails, the stand-in's as NVIDIA's (tests/simnvml.c is
+    # the simulated driver's only): its swaps generate in management mode, as on
+    # tests/test_realdriver.py's machines.
+    m.write_config(**({} if real is None else {"nvidia_ctk_args": ["--mode=management"]}))
     # node_exporter's textfile directory: every run writes the metrics file there.
     (m.root / METRICS_DIR.lstrip("/")).mkdir(parents=True)
     version_file = m.root / "proc/driver/nvidia/version"

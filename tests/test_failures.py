@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from unbounded_nvidia_setup import run
 
 import elfbuild
 import simgpu
+import simnvml
 from conftest import Cli, Outcome, needs_root, needs_tool, stand_in_only
 from test_run import check_json, root_of, snapshot, spec_of
 
@@ -319,7 +321,7 @@ def test_nvml_failure_reaches_the_journal_with_its_cause(live: simgpu.SimMachine
     initialise, as without a GPU: its error and its warning that NVML failed are in the
     journal at warning level, and the run's one error line quotes its error's message,
     not its raw logrus line."""
-    simgpu.silence_nvml(live)
+    simnvml.silence_nvml(live)
     live.write_config(staging_wait_seconds=0, nvidia_ctk_timeout_seconds=5,
                       lock_timeout_seconds=1, nvidia_ctk_args=None)
     recorded = Recorded(cli)
@@ -392,6 +394,10 @@ def test_a_good_run_logs_nvidia_ctks_warnings_at_notice_level(m: simgpu.SimMachi
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr
     said = ctk_lines(out.lines, label="")
+    # NVIDIA's nvidia-ctk warns more in NVML mode than the journal takes: the relay's note
+    # of how many it left out closes them
+    if said and re.fullmatch(r"\(\d+ more lines; -v logs all of them\)", said[-1]):
+        said = said[:-1]
     assert said and all(line.startswith("level=warning msg=") for line in said), out.lines
     assert not [line for line in out.lines if line.startswith("warning: ")], out.lines
     assert "level=info" not in out.stderr, out.stderr

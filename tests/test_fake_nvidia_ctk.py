@@ -3,6 +3,11 @@
 Each test builds a tiny driver root in tmp_path: real ELF shared objects compiled with gcc
 (with a DT_SONAME, as the real tool reads it) and mknod'ed character devices (needs root).
 The stand-in is run as a program, the way the product runs nvidia-ctk.
+
+The NVML tests at the end run on tests/simgpu.py machines, whose simulated libnvidia-ml
+(tests/simnvml.c) both the stand-in and NVIDIA's nvidia-ctk load: with
+UNB_TEST_NVIDIA_CTK set (real-tool mode) they run against the real tool too ([real]),
+and every assertion holds for both.
 """
 
 from __future__ import annotations
@@ -173,6 +178,32 @@ def dev_root(tree: Callable[[str], Tree]) -> Iterator[Tree]:
     dev.chardev("dev/nvidiactl", 195, 255)
     dev.chardev("dev/nvidia-uvm", 511, 0)
     yield dev
+
+
+@pytest.fixture
+def gpu_host(tree: Callable[[str], Tree]) -> Tree:
+    """A GPU host's files, as the simulated NVML (tests/simnvml.c) reads them: its device
+    nodes, the kernel module's information files of GPUs 0 and 1 (tests/simgpu.py), and a
+    driver root at run/nvidia/driver holding libcuda and the simulated libnvidia-ml.
+    The library finds the host by its own path (the part before /run/nvidia/); use the
+    host as the dev root and :func:`host_driver` as the driver root."""
+    import simgpu
+    import simnvml
+
+    if os.geteuid() != 0:
+        unmet("needs root: mknod of fake /dev/nvidia* character devices")
+    host = tree("host")
+    for name, major, minor in (("nvidia0", 195, 0), ("nvidia1", 195, 1),
+                               ("nvidiactl", 195, 255), ("nvidia-uvm", 511, 0)):
+        host.chardev(f"dev/{name}", major, minor)
+    for minor in (0, 1):
+        simnvml.add_gpu_information(host.path, minor, simgpu.DEFAULT_VERSION)
+    standard_libs(Tree(host.path / "run/nvidia/driver", host.so))
+    return host
+
+
+def host_driver(host: Tree) -> Path:
+    return host.path / "run/nvidia/driver"
 
 
 def generate(
@@ -525,9 +556,8 @@ def test_hook_selection_flags(driver_root: Tree, dev_root: Tree, tmp_path: Path)
 
 
 @needs_root
-def test_default_hooks_per_version(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
+def test_default_hooks_per_version(gpu_host: Tree, tmp_path: Path) -> None:
     out = tmp_path / "nvidia.yaml"
-    gpu = "GPU-11111111-2222-3333-4444-555555555555"
     expected = {
         "1.20.0": [
             "create-symlinks",
@@ -546,12 +576,11 @@ def test_default_hooks_per_version(driver_root: Tree, dev_root: Tree, tmp_path: 
     }
     for version, names in expected.items():
         result = generate(
-            driver_root.path,
+            host_driver(gpu_host),
             out,
-            dev=dev_root.path,
+            dev=gpu_host.path,
             mode=None,
             FAKE_NVIDIA_CTK_VERSION=version,
-            FAKE_NVIDIA_CTK_GPUS=gpu,
         )
         assert result.returncode == 0, result.stderr
         assert list(hooks(load(out))) == names, version
@@ -601,11 +630,13 @@ def test_bad_arguments_fail(
 
 def test_auto_mode_needs_nvml(driver_root: Tree, tmp_path: Path) -> None:
     out = tmp_path / "nvidia.yaml"
-    # libnvidia-ml.so.1 is in the root but no kernel driver is loaded.
+    # libnvidia-ml.so.1 is in the root but no kernel driver is loaded: the library's own
+    # text for 9 (nvmlErrorString, as the real tool prints it)
     result = generate(driver_root.path, out, mode=None)
-    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    assert_failed(result, "failed to initialize NVML: Driver Not Loaded")
     os.unlink(driver_root.path / LIBDIR / "libnvidia-ml.so.1")
-    result = generate(driver_root.path, out, mode="nvml", FAKE_NVIDIA_CTK_GPUS="GPU-1")
+    # no library loaded: go-nvml's own name for the return
+    result = generate(driver_root.path, out, mode="nvml")
     assert_failed(result, "failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND")
     assert not out.exists()
 
@@ -657,10 +688,6 @@ def test_libnvidia_ml_without_nvml_init_kills_it_like_the_real_tool(
     died_of_missing_symbol(generate(root.path, out, dev=dev_root.path, mode=mode),
                            "nvmlInit")
     assert not out.exists()
-    # The GPU knob does not save it: NVML never gets that far.
-    result = generate(root.path, out, dev=dev_root.path, mode=mode,
-                      FAKE_NVIDIA_CTK_GPUS="GPU-1")
-    died_of_missing_symbol(result, "nvmlInit")
 
 
 @needs_root
@@ -668,27 +695,38 @@ def test_nvml_init_is_called_and_its_answer_used(
     tree: Callable[[str], Tree], dev_root: Tree, tmp_path: Path
 ) -> None:
     """The init function is resolved like go-nvml (nvmlInit_v2, else nvmlInit) and really
-    called: its return code is what nvml mode reports."""
+    called: its return code, in the library's own words (nvmlErrorString), is what nvml
+    mode reports. Without nvmlErrorString the first failing init kills the process in any
+    mode, when its error is formatted (seen with the real 1.20: exit 127)."""
     out = tmp_path / "nvidia.yaml"
-    only_v2 = nvml_root(tree, "int nvmlInit_v2(void) { return 3; }\n")
+    texts = ('const char *nvmlErrorString(int r) { return r == 2 ? "Invalid Argument" : '
+             'r == 3 ? "Not Supported" : r == 9 ? "Driver Not Loaded" : "Unknown Error"; }\n')
+    only_v2 = nvml_root(tree, "int nvmlInit_v2(void) { return 3; }\n" + texts)
     result = generate(only_v2.path, out, dev=dev_root.path, mode=None)
-    assert_failed(result, "failed to initialize NVML: ERROR_NOT_SUPPORTED")
+    assert_failed(result, "failed to initialize NVML: Not Supported")
     # Management mode goes on whatever NVML answers.
     assert generate(only_v2.path, out, dev=dev_root.path).returncode == 0
     shutil.rmtree(only_v2.path)
-    only_v1 = nvml_root(tree, "int nvmlInit(void) { return 2; }\n")
+    only_v1 = nvml_root(tree, "int nvmlInit(void) { return 2; }\n" + texts)
     result = generate(only_v1.path, out, dev=dev_root.path, mode="nvml")
-    assert_failed(result, "failed to initialize NVML: ERROR_INVALID_ARGUMENT")
+    assert_failed(result, "failed to initialize NVML: Invalid Argument")
     shutil.rmtree(only_v1.path)
     both = nvml_root(tree, "int nvmlInit(void) { return 2; }\n"
-                           "int nvmlInit_v2(void) { return 9; }\n")
+                           "int nvmlInit_v2(void) { return 9; }\n" + texts)
     result = generate(both.path, out, dev=dev_root.path, mode="nvml")
-    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    assert_failed(result, "failed to initialize NVML: Driver Not Loaded")
+    shutil.rmtree(both.path)
+    mute = nvml_root(tree, "int nvmlInit_v2(void) { return 3; }\n")
+    for mode in (None, "nvml", "management"):
+        died_of_missing_symbol(generate(mute.path, out, dev=dev_root.path, mode=mode),
+                               "nvmlErrorString")
 
 
 def test_simulated_nvml_answers_like_a_machine_without_a_driver(tmp_path: Path) -> None:
-    """tests/simgpu.py's libnvidia-ml exports NVML's entry points with the real library's
-    answers without a loaded kernel module (checked against Debian's 535.309.01)."""
+    """tests/simgpu.py's libnvidia-ml (tests/simnvml.c) exports NVML's entry points and,
+    away from a simulated GPU machine (its path has no /run/nvidia/ here: this host, no
+    GPU), answers as the real library without a loaded kernel module (checked against
+    Debian's 535.309.01)."""
     import ctypes
 
     path = tmp_path / "libnvidia-ml.so.1"
@@ -783,7 +821,7 @@ def test_real_libnvidia_ml_answers_driver_not_loaded_and_touches_no_dev(
         root.link(f"{LIBDIR}/{lib.split('.so.')[0]}.so.1", lib)
     out = tmp_path / "out" / "nvidia.yaml"
     result = generate(root.path, out, dev=dev_root.path, mode=None)
-    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    assert_failed(result, "failed to initialize NVML: Driver Not Loaded")
     trace = tmp_path / "trace"
     argv = ["strace", "-f", "-qq", "-y", "-o", str(trace), "-e", f"trace={TRACE_SET}",
             str(FAKE), "cdi", "generate", f"--driver-root={root.path}",
@@ -797,35 +835,6 @@ def test_real_libnvidia_ml_answers_driver_not_loaded_and_touches_no_dev(
     scratch = ("/tmp/.nvidia-ctk-nvml.", str(out.parent))
     outside = [a for a in writes if not a.path.startswith(scratch)]
     assert not outside, outside
-
-
-@needs_root
-def test_nvml_mode_devices(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None:
-    dev_root.chardev("dev/nvidia1", 195, 1)
-    out = tmp_path / "nvidia.yaml"
-    gpus = "GPU-aaaaaaaa-0000-0000-0000-000000000000,GPU-bbbbbbbb-0000-0000-0000-000000000000"
-    result = generate(
-        driver_root.path, out, dev=dev_root.path, mode=None, FAKE_NVIDIA_CTK_GPUS=gpus
-    )
-    assert result.returncode == 0, result.stderr
-    spec = load(out)
-    uuid_a, uuid_b = gpus.split(",")
-    assert [d["name"] for d in spec["devices"]] == ["0", uuid_a, "1", uuid_b, "all"]
-    by_name = {d["name"]: d["containerEdits"].get("deviceNodes", []) for d in spec["devices"]}
-    assert [n["path"] for n in by_name["1"]] == ["/dev/nvidia1"]
-    assert [n["path"] for n in by_name["all"]] == ["/dev/nvidia0", "/dev/nvidia1"]
-    common = [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
-    assert common == ["/dev/nvidia-uvm", "/dev/nvidiactl"]
-    result = generate(
-        driver_root.path,
-        out,
-        "--device-name-strategy=uuid",
-        dev=dev_root.path,
-        mode="nvml",
-        FAKE_NVIDIA_CTK_GPUS=uuid_a,
-    )
-    assert result.returncode == 0, result.stderr
-    assert [d["name"] for d in load(out)["devices"]] == [uuid_a, "all"]
 
 
 # --------------------------------------------------------------------------- knobs
@@ -886,30 +895,311 @@ def test_corrupt_knob(driver_root: Tree, dev_root: Tree, tmp_path: Path) -> None
 
 
 @needs_root
-def test_nvml_finds_the_gpus_a_simulated_kernel_module_lists(
-    driver_root: Tree, dev_root: Tree, tmp_path: Path
-) -> None:
-    """Without the knob, the GPUs the dev root's simulated kernel module lists
-    (proc/driver/nvidia/gpus/<bus>/information, as tests/simgpu.py writes them) answer
-    NVML: in bus order, each with its uuid and /dev/nvidia<minor>; nvidia-ctk's default
-    mode (auto) is then NVML mode. Without /dev/nvidiactl to reach the module through,
-    or without the files, NVML's init is really called and fails as without a GPU."""
+def test_nvml_finds_the_gpus_a_simulated_kernel_module_lists(gpu_host: Tree,
+                                                              tmp_path: Path) -> None:
+    """The simulated libnvidia-ml lists the GPUs of the host it sits in (the part of its
+    path before /run/nvidia/), as its kernel module lists them
+    (proc/driver/nvidia/gpus/<bus>/information, as tests/simgpu.py writes them): in bus
+    order, each with its uuid and /dev/nvidia<minor>; nvidia-ctk's default mode (auto)
+    is then NVML mode. Without /dev/nvidiactl to reach the module through, or without the
+    files, NVML's init fails as without a GPU."""
     import simgpu
+    import simnvml
 
-    dev_root.chardev("dev/nvidia3", 195, 3)
-    late, first = (simgpu.add_gpu_information(dev_root.path, minor) for minor in (3, 0))
+    shutil.rmtree(gpu_host.path / "proc")
+    gpu_host.chardev("dev/nvidia3", 195, 3)
+    late, first = (simnvml.add_gpu_information(gpu_host.path, minor, simgpu.DEFAULT_VERSION)
+                   for minor in (3, 0))
     out = tmp_path / "nvidia.yaml"
-    result = generate(driver_root.path, out, dev=dev_root.path, mode=None)
+    driver = host_driver(gpu_host)
+    result = generate(driver, out, dev=gpu_host.path, mode=None)
     assert result.returncode == 0, result.stderr
     spec = load(out)
-    assert [d["name"] for d in spec["devices"]] == ["0", first, "1", late, "all"]
+    assert [d["name"] for d in spec["devices"]] == sorted(["0", first, "1", late, "all"])
     by_name = {d["name"]: d["containerEdits"].get("deviceNodes", []) for d in spec["devices"]}
     assert [n["path"] for n in by_name["1"]] == ["/dev/nvidia3"]
     assert [n["path"] for n in by_name[first]] == ["/dev/nvidia0"]
-    os.unlink(dev_root.path / "dev/nvidiactl")
-    result = generate(driver_root.path, out, dev=dev_root.path, mode=None)
-    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
-    dev_root.chardev("dev/nvidiactl", 195, 255)
-    shutil.rmtree(dev_root.path / "proc")
-    result = generate(driver_root.path, out, dev=dev_root.path, mode="nvml")
-    assert_failed(result, "failed to initialize NVML: ERROR_DRIVER_NOT_LOADED")
+    os.unlink(gpu_host.path / "dev/nvidiactl")
+    result = generate(driver, out, dev=gpu_host.path, mode=None)
+    assert_failed(result, "failed to initialize NVML: Driver Not Loaded")
+    gpu_host.chardev("dev/nvidiactl", 195, 255)
+    shutil.rmtree(gpu_host.path / "proc")
+    result = generate(driver, out, dev=gpu_host.path, mode="nvml")
+    assert_failed(result, "failed to initialize NVML: Driver Not Loaded")
+
+
+# ------------------------------------------------- NVML on a simulated GPU machine, both tools
+#
+# These run the stand-in, and in real-tool mode (UNB_TEST_NVIDIA_CTK) NVIDIA's nvidia-ctk
+# too ([real]), on a tests/simgpu.py machine: both load its simulated libnvidia-ml
+# (tests/simnvml.c) from the driver root, which reads the machine's GPUs. Every
+# assertion holds for both.
+
+TOOLS = [pytest.param(FAKE, id="stand-in")]
+if toolkit.REAL:
+    TOOLS.append(pytest.param(toolkit.NVIDIA_CTK, id="real"))
+LOST = ("failed to generate CDI spec: failed to create device CDI specs: failed to construct "
+        "device spec generators: failed to get full GPU device editors: error getting device "
+        "handle for index '2': GPU is lost")
+
+
+@pytest.fixture(params=TOOLS)
+def nvidia_ctk(request: pytest.FixtureRequest) -> Path:
+    tool: Path = request.param
+    return tool
+
+
+@dataclass
+class Machine:
+    """A simulated machine with a driver root laid out as `run` lays it out (its staging
+    copied to <root>/run/nvidia/driver/lib/x86_64-linux-gnu)."""
+
+    m: Any  # simgpu.SimMachine
+    tool: Path
+    out: Path
+
+    def generate(self, *extra: str, mode: str | None = None,
+                 proc_driver: bool = False) -> subprocess.CompletedProcess[str]:
+        """``cdi generate`` of the machine (default mode: auto), ``proc_driver``: with the
+        machine's proc/driver as /proc/driver (its MIG caps, tests/procdriver.py)."""
+        import procdriver
+
+        if os.path.lexists(self.out):
+            self.out.unlink()
+        argv = [str(self.tool), "cdi", "generate", f"--driver-root={self.m.driver_root}",
+                f"--dev-root={self.m.root}", f"--output={self.out}", *extra]
+        if mode is not None:
+            argv.append(f"--mode={mode}")
+        if proc_driver:
+            why = procdriver.available()
+            if why is not None:
+                unmet(f"a private /proc/driver: {why}")
+            argv = procdriver.in_private_proc_driver(self.m.root, argv)
+        return subprocess.run(argv, env=clean_env(), capture_output=True, text=True,
+                              timeout=60, check=False)
+
+    def devices(self, *extra: str, mode: str | None = None,
+                proc_driver: bool = False) -> dict[str, list[tuple[str, int, int]]]:
+        """name -> (path, major, minor) of its device nodes, in the spec's order."""
+        result = self.generate(*extra, mode=mode, proc_driver=proc_driver)
+        assert result.returncode == 0, result.stderr
+        return {d["name"]: [(n["path"], n.get("major", 0), n.get("minor", 0))
+                            for n in d["containerEdits"].get("deviceNodes", [])]
+                for d in load(self.out)["devices"]}
+
+
+@pytest.fixture
+def machine(tmp_path: Path, nvidia_ctk: Path) -> Machine:
+    import simgpu
+
+    if os.geteuid() != 0:
+        unmet("needs root: mknod of the machine's character devices")
+    m = simgpu.make_machine(tmp_path / "root", unrelated=0, toolkit_libs=False,
+                            helpers=False, firmware=False)
+    shutil.copytree(m.lib_dir, m.driver_lib_dir, symlinks=True)
+    return Machine(m, nvidia_ctk, tmp_path / "out" / "nvidia.yaml")
+
+
+def node(path: str, major: int = 195, minor: int | None = None) -> tuple[str, int, int]:
+    if minor is None:
+        minor = int(path.removeprefix("/dev/nvidia"))
+    return (path, major, minor)
+
+
+def last_error(result: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in result.stderr.splitlines() if "level=error" in line]
+    assert lines, result.stderr
+    message: str = json.loads(lines[-1].split(" msg=", 1)[1])
+    return message
+
+
+def test_nvml_mode_lists_the_machines_gpus(machine: Machine) -> None:
+    """The default mode (auto) is NVML mode on a simulated GPU machine: a device per GPU by
+    index and by uuid, each with its /dev/nvidia<minor>, and `all` with both; the devices
+    in name order (1.20's spec simplifier sorts them)."""
+    uuid0, uuid1 = machine.m.nvml_gpus
+    result = machine.generate()
+    assert result.returncode == 0, result.stderr
+    assert "Auto-detected mode as 'nvml'" in result.stderr
+    assert "level=error" not in result.stderr
+    devices = machine.devices()
+    gpu0, gpu1 = [node("/dev/nvidia0")], [node("/dev/nvidia1")]
+    assert devices == {"0": gpu0, "1": gpu1, uuid0: gpu0, uuid1: gpu1, "all": gpu0 + gpu1}
+    assert list(devices) == sorted(devices)
+    common = load(machine.out)["containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in common] == ["/dev/nvidia-modeset", "/dev/nvidia-uvm",
+                                           "/dev/nvidia-uvm-tools", "/dev/nvidiactl"]
+    assert list(machine.devices("--device-name-strategy=uuid", mode="nvml")) == [
+        *sorted([uuid0, uuid1]), "all"]
+
+
+def test_a_lost_gpu_fails_nvml_mode_and_not_management_mode(machine: Machine) -> None:
+    """A GPU fallen off the bus (NVML answers 15 for its handle) fails NVML mode's whole
+    generate at its index, exit 1, no spec written; management mode, which never asks
+    NVML for devices, lists its node in `all`. The healthy GPUs, asked for by uuid or by
+    index (`--device-id`), get their devices and an `all` of them alone. Reset, it is
+    back."""
+    import simnvml
+
+    uuid2 = simnvml.add_gpu(machine.m, 2)
+    uuid0, uuid1 = machine.m.nvml_gpus[:2]
+    simnvml.lose_gpu(machine.m, 2)
+    for mode in (None, "nvml"):
+        result = machine.generate(mode=mode)
+        assert result.returncode == 1, result.stderr
+        assert last_error(result) == LOST
+        assert not machine.out.exists()
+    nodes = [path for path, _, _ in machine.devices(mode="management")["all"]]
+    assert {"/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2"} <= set(nodes)
+    gpu0, gpu1 = [node("/dev/nvidia0")], [node("/dev/nvidia1")]
+    healthy = {"0": gpu0, "1": gpu1, uuid0: gpu0, uuid1: gpu1, "all": gpu0 + gpu1}
+    for ids in (f"{uuid0},{uuid1}", "0,1"):
+        assert machine.devices(f"--device-id={ids}") == healthy, ids
+    result = machine.generate("--device-id=2")
+    assert result.returncode == 1
+    assert last_error(result).endswith("failed to get device handle from index: GPU is lost")
+    simnvml.recover_gpu(machine.m, 2)
+    assert list(machine.devices()) == sorted(["0", "1", "2", uuid0, uuid1, uuid2, "all"])
+
+
+def test_nvml_init_fails_without_the_kernel_modules_gpus(machine: Machine) -> None:
+    """Without the GPU information files (simnvml.silence_nvml) or /dev/nvidiactl, NVML's
+    init answers 9 and NVML mode fails with the library's words for it."""
+    import simnvml
+
+    want = ("failed to generate CDI spec: failed to create device CDI specs: failed to "
+            "construct device spec generators: failed to initialize NVML: Driver Not Loaded")
+    os.unlink(machine.m.root / "dev/nvidiactl")
+    result = machine.generate()
+    assert (result.returncode, last_error(result)) == (1, want), result.stderr
+    os.mknod(machine.m.root / "dev/nvidiactl", stat.S_IFCHR | 0o666, os.makedev(195, 255))
+    assert machine.generate().returncode == 0
+    simnvml.silence_nvml(machine.m)
+    result = machine.generate()
+    assert (result.returncode, last_error(result)) == (1, want), result.stderr
+    assert not machine.out.exists()
+    assert machine.generate(mode="management").returncode == 0
+
+
+def test_mig_devices_in_nvml_mode(machine: Machine) -> None:
+    """A MIG-enabled GPU is its MIG devices in NVML mode, named `<i>:<j>` and by their
+    MIG uuid, each with the parent's node and its GPU and compute instances' caps nodes
+    (minors from the host's /proc/driver/nvidia-caps/mig-minors, the machine's here in a
+    private mount namespace); the GPU itself gets no full-GPU device. Asked for by index
+    it is a full GPU (1.20 checks no MIG mode there). Reconfigured, the spec lists the new
+    MIG devices and none of the old; MIG off, the GPU is a full GPU again."""
+    import simnvml
+
+    m = machine.m
+    uuid0, uuid1 = m.nvml_gpus
+    migs = simnvml.enable_mig(m, 1, [(1, 0, 3, 3), (7, 0, 0, 0)])
+    caps = 510  # simnvml.CAPS_MAJOR, written into the machine's proc/devices
+    assert f"{caps} nvidia-caps" in (m.root / "proc/devices").read_text()
+
+    def mig_nodes(gi: int, ci: int) -> list[tuple[str, int, int]]:
+        g, c = simnvml.gi_cap_minor(1, gi), simnvml.ci_cap_minor(1, gi, ci)
+        return [node("/dev/nvidia1"), (f"/dev/nvidia-caps/nvidia-cap{g}", caps, g),
+                (f"/dev/nvidia-caps/nvidia-cap{c}", caps, c)]
+
+    gpu0 = [node("/dev/nvidia0")]
+    first, second = mig_nodes(1, 0), mig_nodes(7, 0)
+    devices = machine.devices(proc_driver=True)
+    assert devices == {"0": gpu0, uuid0: gpu0, "1:0": first, migs[0]: first,
+                       "1:1": second, migs[1]: second,
+                       "all": [*gpu0, *first, *second[1:]]}, devices
+    assert list(devices) == sorted(devices)
+    # Without the machine's mig-minors where nvidia-ctk reads them, every MIG device fails.
+    result = machine.generate()
+    assert result.returncode == 1
+    assert last_error(result).endswith("error getting MIG capability device paths: <nil>")
+    # By id: a MIG device by index or uuid; the MIG-enabled GPU by index, as a full GPU.
+    assert machine.devices(f"--device-id=1:1,{migs[0]}", proc_driver=True) == {
+        "1:0": first, migs[0]: first, "1:1": second, migs[1]: second,
+        "all": first + second[1:]}
+    assert machine.devices("--device-id=1", proc_driver=True) == {
+        "1": [node("/dev/nvidia1")], uuid1: [node("/dev/nvidia1")],
+        "all": [node("/dev/nvidia1")]}
+
+    again = simnvml.enable_mig(m, 1, [(2, 0, 1, 1)])
+    assert not set(again) & set(migs)
+    third = mig_nodes(2, 0)
+    devices = machine.devices(proc_driver=True)
+    assert devices == {"0": gpu0, uuid0: gpu0, "1:0": third, again[0]: third,
+                       "all": gpu0 + third}, devices
+    old = {path for path, _, _ in first[1:] + second[1:]}
+    assert not any(path in old for nodes in devices.values() for path, _, _ in nodes)
+    assert not any(os.path.lexists(m.root / path.lstrip("/")) for path in old)
+
+    simnvml.disable_mig(m, 1)
+    gpu1 = [node("/dev/nvidia1")]
+    assert machine.devices(proc_driver=True) == {"0": gpu0, "1": gpu1, uuid0: gpu0,
+                                                 uuid1: gpu1, "all": gpu0 + gpu1}
+
+
+def test_imex_channels_are_in_management_modes_all_only(machine: Machine) -> None:
+    """IMEX channel nodes (/dev/nvidia-caps-imex-channels/channel<N>) are in management
+    mode's `all`, with their major and minor; 1.20's NVML mode lists them nowhere."""
+    import simnvml
+
+    paths = simnvml.add_imex_channels(machine.m, 2)
+    imex = 509  # simnvml.IMEX_MAJOR, written into the machine's proc/devices
+    assert f"{imex} nvidia-caps-imex-channels" in (machine.m.root / "proc/devices").read_text()
+    all_nodes = machine.devices(mode="management")["all"]
+    assert [(p, imex, n) for n, p in enumerate(paths)] == [
+        n for n in all_nodes if "nvidia-caps-imex-channels" in n[0]]
+    machine.devices()
+    assert "nvidia-caps-imex-channels" not in machine.out.read_text()
+
+
+def test_simulated_nvml_reads_its_machine(tmp_path: Path) -> None:
+    """tests/simnvml.c itself, through ctypes as go-nvml calls it: the machine it sits in
+    (the part of its real path before /run/host-nvidia/), its GPUs in bus order, a lost
+    GPU's 15 while it still counts, MIG mode and MIG devices, the driver version from its
+    file name, and init again after shutdown sees what changed."""
+    import ctypes
+
+    import simgpu
+    import simnvml
+
+    if os.geteuid() != 0:
+        unmet("needs root: mknod of the machine's character devices")
+    m = simgpu.make_machine(tmp_path / "root", unrelated=0, toolkit_libs=False,
+                            helpers=False, firmware=False)
+    lib = ctypes.CDLL(str(m.lib_dir / "libnvidia-ml.so.1"))
+    lib.nvmlErrorString.restype = ctypes.c_char_p
+    count, handle, mig = ctypes.c_uint(), ctypes.c_void_p(), ctypes.c_void_p()
+    buf = ctypes.create_string_buffer(96)
+    assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 1  # not initialised
+    assert lib.nvmlInit_v2() == 0
+    assert lib.nvmlSystemGetDriverVersion(buf, 96) == 0 and buf.value == m.version.encode()
+    assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 and count.value == 2
+    for index, uuid in enumerate(m.nvml_gpus):
+        assert lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
+        assert lib.nvmlDeviceGetUUID(handle, buf, 96) == 0 and buf.value == uuid.encode()
+        minor = ctypes.c_uint()
+        assert lib.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == 0
+        assert minor.value == index
+        pci = ctypes.create_string_buffer(68)
+        assert lib.nvmlDeviceGetPciInfo_v3(handle, pci) == 0
+        assert pci.raw[36:52] == f"0000{simnvml.gpu_bus_id(index)}".encode()
+    assert lib.nvmlDeviceGetUUID(handle, buf, 10) == 7  # insufficient size
+    assert lib.nvmlShutdown() == 0
+    simnvml.lose_gpu(m, 1)
+    migs = simnvml.enable_mig(m, 0, [(1, 0, 3, 3)])
+    assert lib.nvmlInit_v2() == 0
+    assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 and count.value == 2
+    assert lib.nvmlDeviceGetHandleByIndex_v2(1, ctypes.byref(handle)) == 15
+    assert lib.nvmlErrorString(15) == b"GPU is lost"
+    assert lib.nvmlDeviceGetHandleByUUID(m.nvml_gpus[1].encode(), ctypes.byref(handle)) == 15
+    assert lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0
+    current, pending, slots = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+    assert lib.nvmlDeviceGetMigMode(handle, ctypes.byref(current), ctypes.byref(pending)) == 0
+    assert (current.value, pending.value) == (1, 1)
+    assert lib.nvmlDeviceGetMaxMigDeviceCount(handle, ctypes.byref(slots)) == 0
+    assert slots.value == 7
+    assert lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0, ctypes.byref(mig)) == 0
+    assert lib.nvmlDeviceGetUUID(mig, buf, 96) == 0 and buf.value == migs[0].encode()
+    assert lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, 1, ctypes.byref(mig)) == 6
+    assert lib.nvmlShutdown() == 0
+    simnvml.silence_nvml(m)
+    assert lib.nvmlInit_v2() == 9

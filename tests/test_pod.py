@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from invariants import secure_after  # noqa: F401  (fixture)
 
+import elfbuild
 import pod
 import realdriver
 import simgpu
@@ -97,16 +99,30 @@ def test_a_pod_gets_the_driver(tmp_path: Path, cli: Cli, major: str) -> None:
     assert_gets_the_driver(hidden, drv.version)
 
 
+def simulated_nvml(m: simgpu.SimMachine) -> None:
+    """The machine's libnvidia-ml becomes the simulated one (tests/simnvml.c), so that
+    NVML answers for its GPUs (nvidia-ctk's NVML mode, the stand-in's and the real one's
+    alike) where Debian's real library answers 9 here; the rest of the driver stays
+    Debian's. In a pod it answers 9 too: there it finds no GPU the kernel lists."""
+    elfbuild.compile_so(m.lib_dir / f"libnvidia-ml.so.{m.version}", elfbuild.NVML_SONAME)
+    m.write_config()
+
+
 def test_a_pod_gets_the_gpu_it_asks_for(tmp_path: Path, cli: Cli) -> None:
     """nvidia-ctk's default mode on a GPU node (NVML: a device per GPU by index and uuid,
     plus `all`), through the spec `run` installed: `nvidia.com/gpu=0` gets GPU 0's node
     and not GPU 1's, GPU 1 by its uuid the other way round, `all` both; each with the
-    driver."""
+    driver. The machine carries Debian's 550 driver with the simulated NVML, which its
+    GPUs answer."""
     drv = fetch("550")
-    m = ready_machine(tmp_path, cli, drv)
-    if not m.nvml_answers:
-        pytest.skip(f"no GPU answers NVML for {toolkit.NAME} on this host: its spec is "
-                    "management mode's, one device `all`")
+    m = real_machine(tmp_path, drv)
+    assert not m.nvml_answers  # Debian's libnvidia-ml: no GPU answers it here
+    simulated_nvml(m)
+    assert m.nvml_answers
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    names = [d["name"] for d in yaml.safe_load(m.cdi_spec.read_text())["devices"]]
+    assert names == sorted(["0", "1", *m.nvml_gpus, "all"]), names
     nodes = {"nvidia0", "nvidia1"}
     want = {"0": {"nvidia0"}, m.nvml_gpus[1]: {"nvidia1"}, "all": nodes}
     seen = {}

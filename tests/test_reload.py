@@ -1,7 +1,7 @@
 """`run --spec-only` (what `systemctl reload unbounded-nvidia-setup` runs): the CDI spec
 is regenerated for the live driver root, which is neither copied nor swapped; when the
 root no longer matches the staging mounts, nothing changes and the one line says to
-restart. Real CLI, real ELF files, real ldconfig, the nvidia-ctk stand-in."""
+restart. Real CLI, real ELF files, real ldconfig, the tests' nvidia-ctk (tests/toolkit.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from unbounded_nvidia_setup.config import load_yaml
 from unbounded_nvidia_setup.tree import manifest
 
 import simgpu
+import simnvml
 from conftest import Cli, needs_root
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
@@ -49,25 +50,30 @@ def pretend_running(m: simgpu.SimMachine) -> None:
         (m.root / "proc" / pid / "comm").write_text(f"{comm}\n")
 
 
+@pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "management"])
 def test_new_device_node_reaches_the_spec_without_touching_the_root(
-        m: simgpu.SimMachine, cli: Cli) -> None:
-    """A GPU arrives with pods running. Where NVML answers (nvidia-ctk's default mode)
-    it is a new device `2` and its uuid, beside 0, 1 and all; in management mode its node
-    joins `all`."""
+        tmp_path: Path, cli: Cli, nvml: bool) -> None:
+    """A GPU arrives with pods running. Where NVML answers (nvidia-ctk's default mode,
+    the stand-in's and the real one's alike on a simulated machine) it is a new device `2`
+    and its uuid, beside 0, 1 and all (in name order, as 1.20 sorts them); in management
+    mode (a machine whose GPUs no NVML answers) its node joins `all`."""
+    m = simgpu.make_machine(tmp_path / "root", nvml=nvml)
+    m.write_config()
+    assert m.nvml_answers == nvml
     assert cli(m.root, "run").code == 0
     assert "/dev/nvidia2" not in spec_devices(m)
     old = m.nvml_gpus[:]
-    if m.nvml_answers:
-        assert spec_names(m) == ["0", old[0], "1", old[1], "all"]
+    if nvml:
+        assert spec_names(m) == sorted(["0", old[0], "1", old[1], "all"])
     before = live_state(m)
     pretend_running(m)  # pods keep running: a refresh needs no --force
-    uuid = simgpu.add_gpu(m, 2)
+    uuid = simnvml.add_gpu(m, 2)
 
     out = cli(m.root, "run", "--spec-only")
     assert out.code == 0, out.stderr
     assert "/dev/nvidia2" in spec_devices(m)
-    if m.nvml_answers:
-        assert spec_names(m) == ["0", old[0], "1", old[1], "2", uuid, "all"]
+    if nvml:
+        assert spec_names(m) == sorted(["0", old[0], "1", old[1], "2", uuid, "all"])
     else:
         assert spec_names(m) == ["all"]
     assert live_state(m) == before

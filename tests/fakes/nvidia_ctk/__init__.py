@@ -8,7 +8,7 @@ It must fail wherever the real tool fails; it is not a "accept anything" mock.
 
 Its modules follow NVIDIA's packages and import only those before them in this list:
 version, filepath, logger, elf (no imports of the package); lookup; edits; discover;
-hooks; nvml; nvcdi; spec; knobs; cli; generate (cdi generate); this one (main).
+hooks; nvml; nvcdi; libnvml; spec; knobs; cli; generate (cdi generate); this one (main).
 
 Points mirrored on purpose:
 
@@ -27,20 +27,29 @@ Points mirrored on purpose:
 Deliberate simplifications (documented, deterministic under tests):
 
 * NVML: the ``libnvidia-ml.so.1`` found under the driver root is loaded (ctypes, as
-  go-nvml: ``RTLD_LAZY|RTLD_GLOBAL``) and its ``nvmlInit_v2`` (else ``nvmlInit``) called.
-  A library lacking both kills the process as it kills the real tool: ``<argv0>: symbol
-  lookup error: <argv0>: undefined symbol: nvmlInit``, exit status 127 (the real tool is a
-  lazily bound cgo binary); ``libnvidia-sandboxutils.so.1`` without ``nvSandboxUtilsInit``
-  likewise. No library, or one that cannot be loaded: ERROR_LIBRARY_NOT_FOUND. The init
-  runs in a child chrooted into an empty directory (the real library, as root, mknods
-  ``/dev/nvidiactl`` in the caller's /dev) and answers ERROR_DRIVER_NOT_LOADED on a
-  machine without a GPU, real library or simulated. NVML "initialises" only on a
-  simulated GPU host: the GPUs a kernel module lists in
-  ``<dev root>/proc/driver/nvidia/gpus/<bus>/information`` (``GPU UUID:``, ``Device
-  Minor:``; tests/simgpu.py writes them) while ``<dev root>/dev/nvidiactl`` is a character
-  device, or those of the ``FAKE_NVIDIA_CTK_GPUS`` knob; GPU i of the bus order is device
-  ``i`` (index) and its uuid, with ``/dev/nvidia<minor>``. Its driver version is then the
-  version suffix of the file that link resolves to. MIG devices are not simulated.
+  go-nvml: ``RTLD_LAZY|RTLD_GLOBAL``) and called as go-nvml calls it: it is the only
+  source of GPUs. Each function is resolved as go-nvml's updateVersionedSymbols does
+  (``nvmlInit_v2`` else ``nvmlInit``, ...); a library lacking one kills the process, at its
+  first call, as it kills the real tool: ``<argv0>: symbol lookup error: <argv0>:
+  undefined symbol: nvmlInit``, exit status 127 (the real tool is a lazily bound cgo
+  binary; ``nvmlErrorString`` too, at the first error formatted, in any mode);
+  ``libnvidia-sandboxutils.so.1`` without ``nvSandboxUtilsInit`` likewise. No library, or
+  one that cannot be loaded: ERROR_LIBRARY_NOT_FOUND. Every other NVML error is said in
+  the library's own words (its nvmlErrorString: "Driver Not Loaded", "GPU is lost").
+  The first init runs in a child chrooted into an empty directory (the real library, as
+  root, mknods ``/dev/nvidiactl`` in the caller's /dev; it answers 9 there, as on this
+  GPU-less host); only when that answers SUCCESS (a simulated GPU machine's library,
+  tests/simnvml.c, which reads its machine through a descriptor it opened when loaded)
+  is the library used in this process. NVML mode then follows 1.20 call for call
+  (libnvml.py): the GPUs in NVML index order, device ``i`` and its uuid with
+  ``/dev/nvidia<minor>``; a GPU whose handle NVML refuses (GPU is lost) fails the whole
+  generate at its index; a MIG-enabled GPU is its MIG devices ``<i>:<j>`` and MIG uuid
+  with the parent's node and the GPU and compute instances' caps nodes, whose minors come
+  from the HOST's ``/proc/driver/nvidia-caps/mig-minors`` as in the real tool (missing:
+  every MIG device fails); ``--device-id`` as 1.20 reads it. The driver version is NVML's
+  (nvmlSystemGetDriverVersion) when it initialises. NVML mode lists no IMEX channels
+  (1.20 does not); management mode's ``all`` globs them. Devices are in name order, and
+  device nodes and mounts in order of depth and path (1.20's spec simplifier).
 * ``--mode=auto``: the real tool asks go-nvlib for the platform (NVML / Tegra / WSL) and
   falls back to nvml ("Unsupported platform detected ... assuming nvml").  Tegra and WSL are
   not simulated, so auto always resolves to nvml here, exactly as on a non-Tegra, non-WSL
@@ -57,7 +66,8 @@ Deliberate simplifications (documented, deterministic under tests):
   init (loaded and checked, then reported as failing, which the real tool ignores)
   and CSV/WSL/GDS/MOFED/gdrcopy/imex/nvswitch modes are not simulated (those modes fail
   with a "not simulated" error); so do ``--library-search-path``, ``--config-search-path``,
-  ``--csv.*``, ``--feature-flag`` and ``--device-id`` values other than ``all``.
+  ``--csv.*`` and ``--feature-flag``. The DRM nodes of a GPU's PCI address (host sysfs)
+  are not simulated (the simulated machines' bus ids are no PCI device of the host).
 * Unknown hook names in ``--disable-hook``/``--enable-hook`` are an error here (the real
   tool ignores them silently); stricter, so a typo in the product cannot pass unnoticed.
 

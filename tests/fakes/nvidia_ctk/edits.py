@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .filepath import go_clean
+
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 
 
@@ -33,6 +35,12 @@ class Edits:
             _dedupe(self.additional_gids, common.additional_gids),
         )
 
+    def sort(self) -> None:
+        """pkg/nvcdi/transform/sorter.go (part of the simplifier since 1.14): device nodes
+        and mounts by the depth of their container path, then the path."""
+        self.device_nodes.sort(key=lambda n: _depth_key(str(n["path"])))
+        self.mounts.sort(key=lambda m: _depth_key(str(m["containerPath"])))
+
     def to_spec(self) -> dict[str, Any]:
         """specs-go ContainerEdits, every field omitempty."""
         out: dict[str, Any] = {}
@@ -46,6 +54,10 @@ class Edits:
             if value:
                 out[key] = value
         return out
+
+
+def _depth_key(path: str) -> tuple[int, str]:
+    return go_clean(path).count("/"), path
 
 
 def _dedupe(items: list[Any], exclude: list[Any]) -> list[Any]:

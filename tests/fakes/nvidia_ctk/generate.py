@@ -12,17 +12,17 @@ from .discover import device_edits
 from .edits import Edits
 from .filepath import go_ext
 from .hooks import HOOK_APPLICATION_PROFILE, HOOKS_ALWAYS, HookCreator, resolve_hook_path
-from .knobs import apply_process_knobs, corrupt, corruption, simulated_gpus
+from .knobs import apply_process_knobs, corrupt, corruption
+from .libnvml import NvmlDevices
 from .logger import CtkError, Logger, UsageError
 from .lookup import LIBRARY_SEARCH_DIRS, Driver, Locator
 from .nvcdi import (
     CONTROL_DEVICE_PATTERNS,
     MANAGEMENT_BLOCKED_PREFIXES,
     MANAGEMENT_DEVICE_PATTERNS,
-    device_names,
     driver_edits,
 )
-from .nvml import Nvml, init_sandboxutils, kernel_gpus
+from .nvml import NvmlLib, init_sandboxutils
 from .spec import minimum_cdi_version, save
 from .version import V1_18, V1_19, V1_20, Version
 
@@ -156,6 +156,7 @@ class GenerateOptions:
     disabled_hooks: list[str]
     enabled_hooks: list[str]
     no_all_device: bool
+    device_ids: list[str]
 
 
 def validate_generate(
@@ -201,9 +202,11 @@ def validate_generate(
     for name in NOT_SIMULATED_FLAGS:
         if name in explicit and values.get(name):
             raise CtkError(f"--{name} is not simulated by this nvidia-ctk test stand-in")
-    device_ids = values.get("device-id", ["all"])
-    if device_ids != ["all"]:
-        raise CtkError(f"--device-id {device_ids} is not simulated by this test stand-in")
+    device_ids = _list(values, "device-id") if "device-id" in values else ["all"]
+    no_all_device = bool(values.get("no-all-device", False))
+    if "none" in device_ids and not no_all_device:
+        log.warning("Disabling generation of 'all' device")
+        no_all_device = True
     driver_root = _str(values, "driver-root") or "/"
     hook_path = resolve_hook_path(log, _str(values, "nvidia-cdi-hook-path"))
     return GenerateOptions(
@@ -220,7 +223,8 @@ def validate_generate(
         cdi_class=cdi_class,
         disabled_hooks=disabled,
         enabled_hooks=enabled,
-        no_all_device=bool(values.get("no-all-device", False)),
+        no_all_device=no_all_device,
+        device_ids=device_ids,
     )
 
 
@@ -233,22 +237,18 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
     except CtkError as exc:
         log.warning(f"Ignoring error in locating libnvidia-ml.so.1: {exc}")
         nvml_library = None
-    gpus = simulated_gpus()
-    if gpus is None:
-        gpus = kernel_gpus(opts.dev_root)
-    nvml = Nvml.load(nvml_library, gpus)
-    try:
-        nvml_version = nvml.driver_version()
-    except CtkError as exc:
-        log.warning(f"Could not determine driver version: {exc}")
-        nvml_version = ""
+    nvml = NvmlLib(nvml_library)
+    nvml_devices = NvmlDevices(log, nvml, opts.dev_root, opts.strategies, ctk)
 
     mode = opts.mode
     if mode == "auto":
         if nvml_library is None:
             log.warning("Unsupported platform detected: unknown; assuming nvml")
+        else:
+            nvml_devices.has_an_integrated_gpu()
         mode = "nvml"
         log.info(f"Auto-detected mode as '{mode}'")
+    nvml_version = driver_version(log, nvml)
     if mode not in SIMULATED_MODES:
         raise CtkError(
             f'failed to create CDI library: unsupported mode "{mode}" '
@@ -277,17 +277,18 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
                 f"failed to create driver library discoverer: {exc}"
             ) from exc
     else:
-        error = nvml.init_error()
-        if error is not None:
+        try:
+            generators = nvml_devices.generators(opts.device_ids)
+        except CtkError as exc:
             raise CtkError(
-                "failed to create device CDI specs: failed to construct device spec "
-                f"generators: failed to initialize NVML: {error}"
-            )
+                f"failed to create device CDI specs: failed to construct device spec "
+                f"generators: {exc}"
+            ) from exc
         init_sandboxutils(log, opts.driver_root)
-        for index, (uuid, minor) in enumerate(nvml.gpus):
-            gpu_edits = device_edits(log, opts.dev_root, [f"/dev/nvidia{minor}"], ctk)
-            for name in device_names(opts.strategies, index, uuid):
-                devices.append((name, gpu_edits))
+        try:
+            devices += nvml_devices.device_specs(generators)
+        except CtkError as exc:
+            raise CtkError(f"failed to create device CDI specs: {exc}") from exc
         common = device_edits(log, opts.dev_root, CONTROL_DEVICE_PATTERNS, ctk)
         try:
             common.extend(driver_edits(log, driver, hooks, ctk))
@@ -302,12 +303,19 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
                 common.hooks.append(profile)
     common.env.append("NVIDIA_VISIBLE_DEVICES=void")
 
-    device_specs = [(name, edits.without(common)) for name, edits in devices]
-    if not opts.no_all_device and all(name != "all" for name, _ in device_specs):
+    # pkg/nvcdi/spec's builder: the simplifier (dedupe, drop what the common edits hold,
+    # sort), then the merged `all` device, then the simplifier again.
+    device_specs = sorted(((name, edits.without(common)) for name, edits in devices),
+                          key=lambda d: d[0])
+    if not opts.no_all_device and all(n != "all" for n, _ in device_specs):
         merged = Edits()
         for _, edits in device_specs:
             merged.extend(edits)
         device_specs.append(("all", merged.without(Edits())))
+        device_specs.sort(key=lambda d: d[0])
+    common.sort()
+    for _, edits in device_specs:
+        edits.sort()
     for name, _ in device_specs:
         if not DEVICE_NAME_RE.match(name):
             raise CtkError(f'invalid device name "{name}"')
@@ -319,6 +327,25 @@ def generate_spec(opts: GenerateOptions, ctk: Version, log: Logger) -> dict[str,
     }
     spec["cdiVersion"] = minimum_cdi_version(spec)
     return spec
+
+
+def driver_version(log: Logger, nvml: NvmlLib) -> str:
+    """root.New's versioner: nvsandboxutils (never available here), then NVML (its init,
+    nvmlSystemGetDriverVersion and shutdown); '' when neither answers."""
+    errors = ["libnvsandboxutils is not available"]
+    ret = nvml.init()
+    if ret != 0:
+        errors.append(f"failed to initialize nvml: {nvml.error_string(ret)}")
+    else:
+        try:
+            version, ret = nvml.driver_version()
+            if ret == 0:
+                return version
+            errors.append(f"failed to get driver version: {nvml.error_string(ret)}")
+        finally:
+            nvml.shutdown()
+    log.warning("Could not determine driver version: " + "\n".join(errors))
+    return ""
 
 
 def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:

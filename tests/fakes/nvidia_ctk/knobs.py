@@ -1,11 +1,9 @@
 """The FAKE_NVIDIA_CTK_* test knobs, which make the stand-in misbehave or pretend on request.
 
+(There is no knob for GPUs: NVML's answers are the driver root's libnvidia-ml's, which on
+a simulated machine is tests/simnvml.c, reading the machine's GPUs.)
+
   FAKE_NVIDIA_CTK_VERSION=1.17.8   version to impersonate (default 1.20.0)
-  FAKE_NVIDIA_CTK_GPUS=GPU-a,GPU-b simulated NVML GPUs, GPU i at /dev/nvidia<i> (see
-                                   the package docstring; the library must still load
-                                   and export its init function). Without it, the GPUs a
-                                   simulated kernel module lists under the dev root
-                                   answer (nvml.kernel_gpus), as on a GPU host.
   FAKE_NVIDIA_CTK_LOG=<file>       append ``json.dumps(sys.argv[1:])`` + newline per call
   FAKE_NVIDIA_CTK_HANG=1           ``cdi generate`` sleeps forever before discovery/writing
   FAKE_NVIDIA_CTK_SIGNAL=KILL|SEGV ``cdi generate`` kills itself with that signal
@@ -39,14 +37,6 @@ STAGING_PREFIX = "/run/host-nvidia/0"
 
 class KnobError(Exception):
     """Misuse of this stand-in's own FAKE_NVIDIA_CTK_* knobs (exit 2)."""
-
-
-def simulated_gpus() -> list[tuple[str, int]] | None:
-    """FAKE_NVIDIA_CTK_GPUS: the GPUs (uuid, device minor) a working NVML lists; None when
-    the knob is not set (then the simulated kernel module decides: nvml.kernel_gpus)."""
-    text = os.environ.get("FAKE_NVIDIA_CTK_GPUS", "")
-    gpus = [g.strip() for g in text.split(",") if g.strip()]
-    return [(uuid, minor) for minor, uuid in enumerate(gpus)] if gpus else None
 
 
 def corruption() -> str:

@@ -1,18 +1,14 @@
-"""go-nvml and nvsandboxutils: the root's libraries loaded and their init functions called."""
+"""go-nvml and nvsandboxutils: the driver root's libraries, loaded and called through ctypes."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from .filepath import trim_prefix
 from .logger import CtkError, Logger
 from .lookup import LIBRARY_SEARCH_DIRS, Locator
 
@@ -108,83 +104,251 @@ def call_isolated(function: Callable[[], int]) -> int:
     return int(text) if text.strip().lstrip("-").isdigit() else 999
 
 
-KERNEL_GPUS_DIR = "proc/driver/nvidia/gpus"
-_INFO_LINE = re.compile(r"^(GPU UUID|Device Minor):\s*(\S+)\s*$", re.M)
+# go-nvml's own names for the return codes (defaultErrorStringFunc): its text for a
+# return while no library is loaded.
+def default_error_string(ret: int) -> str:
+    return NVML_RETURNS.get(ret, f"unknown return value: {ret}")
 
 
-def kernel_gpus(dev_root: str) -> list[tuple[str, int]]:
-    """The GPUs NVML would find through a loaded kernel module, as this stand-in plays
-    one: each ``<dev root>/proc/driver/nvidia/gpus/<PCI bus id>/information`` (the file
-    the real module writes there, with its ``GPU UUID:`` and ``Device Minor:`` lines),
-    in PCI bus order as NVML enumerates them, while ``<dev root>/dev/nvidiactl`` (the
-    node NVML talks to the module through) is a character device. None: the module is
-    not loaded, NVML's init is really called and answers what the library answers.
-    (The dev root stands for the host the devices are on; the real NVML asks the
-    caller's own kernel.)"""
-    try:
-        if not stat.S_ISCHR(os.stat(os.path.join(dev_root, "dev/nvidiactl")).st_mode):
-            return []
-        buses = sorted(os.listdir(os.path.join(dev_root, KERNEL_GPUS_DIR)))
-    except OSError:
-        return []
-    gpus: list[tuple[str, int]] = []
-    for bus in buses:
-        try:
-            with open(os.path.join(dev_root, KERNEL_GPUS_DIR, bus, "information"),
-                      encoding="utf-8", errors="replace") as f:
-                fields = dict(_INFO_LINE.findall(f.read()))
-        except OSError:
-            continue
-        minor = fields.get("Device Minor", "")
-        if fields.get("GPU UUID", "").startswith("GPU-") and minor.isdigit():
-            gpus.append((fields["GPU UUID"], int(minor)))
-    return gpus
+SUCCESS, ERROR_INVALID_ARGUMENT, ERROR_NOT_SUPPORTED, ERROR_NOT_FOUND = 0, 2, 3, 6
+ERROR_LIBRARY_NOT_FOUND = 12
+UUID_BUFFER, NAME_BUFFER, VERSION_BUFFER = 96, 96, 80
 
 
-@dataclass
-class Nvml:
-    """go-nvml against the libnvidia-ml.so.1 found in the driver root.
+class NvmlReturn(CtkError):
+    """A non-SUCCESS nvml.Return, with the text go-nvml gives it (Return.Error())."""
 
-    The library is loaded as go-nvml loads it and its init function is resolved as
-    go-nvml's updateVersionedSymbols does (nvmlInit_v2, else nvmlInit). A library
-    without either kills the process like the real tool (symbol_lookup_error); one that
-    cannot be loaded is ERROR_LIBRARY_NOT_FOUND. The init is then really called
-    (call_isolated): 9, ERROR_DRIVER_NOT_LOADED, from the real and the simulated library
-    on a machine without a GPU. FAKE_NVIDIA_CTK_GPUS stands for a GPU machine: NVML
-    initialises and lists those GPUs, without calling the library's init; so do the GPUs
-    of a simulated kernel module (kernel_gpus). ``gpus``: (uuid, device minor) each."""
+    def __init__(self, ret: int, text: str) -> None:
+        super().__init__(text)
+        self.ret = ret
 
-    library: str | None
-    gpus: list[tuple[str, int]]
-    result: int = 12
 
-    @classmethod
-    def load(cls, library: str | None, gpus: list[tuple[str, int]]) -> Nvml:
-        nvml = cls(library, gpus)
-        loaded = load_library(library) if library is not None else None
-        if loaded is None:
-            return nvml
-        name = next((n for n in ("nvmlInit_v2", "nvmlInit") if hasattr(loaded, n)), None)
-        if name is None:
-            symbol_lookup_error("nvmlInit")
-        init: Callable[[], int] = getattr(loaded, name)
-        nvml.result = 0 if gpus else call_isolated(init)
-        return nvml
+class NvmlLib:
+    """go-nvml (pkg/nvml) over the libnvidia-ml.so.1 found in the driver root.
 
-    def init_error(self) -> str | None:
-        if self.result == 0:
-            return None
-        return NVML_RETURNS.get(self.result, f"unknown return value: {self.result}")
+    Loaded as go-nvml loads it (dlopen RTLD_LAZY|RTLD_GLOBAL); None or unloadable: every
+    init is ERROR_LIBRARY_NOT_FOUND. Each function is resolved as updateVersionedSymbols
+    does (``nvmlInit_v2`` else ``nvmlInit``, ...) and called in the loaded library: one it
+    lacks kills the process as it kills the real tool, a lazily bound cgo binary
+    (symbol_lookup_error), at the first call. A return's text is the library's own
+    nvmlErrorString (go-nvml's errorStringFunc once the library is loaded), which must
+    exist too. The first init runs isolated (call_isolated: the real libnvidia-ml, as
+    root, mknods in the caller's /dev); only when it answers SUCCESS (a simulated GPU
+    machine's library, tests/simnvml.c) is the library used in this process."""
 
-    def driver_version(self) -> str:
-        error = self.init_error()
-        if error is not None:
-            raise CtkError(f"failed to initialize nvml: {error}")
-        assert self.library is not None
-        version = trim_prefix(os.path.basename(self.library), "libnvidia-ml.so.")
-        if not re.fullmatch(r"\d+(\.\d+)+", version):
-            raise CtkError("failed to get driver version: ERROR_UNKNOWN")
-        return version
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.lib: Any = load_library(path) if path is not None else None
+        self._isolated: int | None = None
+        self._functions: dict[str, Any] = {}
+        if self.lib is not None:
+            self._fn("nvmlInit_v2", "nvmlInit")  # the real tool's first call: dies here
+
+    @property
+    def loaded(self) -> bool:
+        return self.lib is not None
+
+    def has(self, name: str) -> bool:
+        """go-nvlib's hasSymbol (a dlsym probe)."""
+        return self.lib is not None and hasattr(self.lib, name)
+
+    def _fn(self, *names: str) -> Any:
+        """The first of ``names`` the library has (versioned name first); none: the
+        process dies naming the last (the v1 name go-nvml then calls)."""
+        key = names[0]
+        if key not in self._functions:
+            found = next((n for n in names if self.has(n)), None)
+            if found is None:
+                symbol_lookup_error(names[-1])
+            function = getattr(self.lib, found)
+            function.restype = ctypes().c_int
+            self._functions[key] = function
+        return self._functions[key]
+
+    def error_string(self, ret: int) -> str:
+        if self.lib is None:
+            return default_error_string(ret)
+        if "nvmlErrorString" not in self._functions:
+            if not self.has("nvmlErrorString"):
+                symbol_lookup_error("nvmlErrorString")
+            function = self.lib.nvmlErrorString
+            function.restype = ctypes().c_char_p
+            function.argtypes = [ctypes().c_int]
+            self._functions["nvmlErrorString"] = function
+        text = self._functions["nvmlErrorString"](ret)
+        return text.decode(errors="replace") if text else ""
+
+    def error(self, ret: int) -> NvmlReturn:
+        return NvmlReturn(ret, self.error_string(ret))
+
+    def check(self, ret: int) -> None:
+        if ret != SUCCESS:
+            raise self.error(ret)
+
+    # ------------------------------------------------------------ init and shutdown
+
+    def init(self) -> int:
+        """nvml.Init(): the library's nvmlInit_v2 (else nvmlInit)."""
+        if self.lib is None:
+            return ERROR_LIBRARY_NOT_FOUND
+        init = self._fn("nvmlInit_v2", "nvmlInit")
+        if self._isolated is None:
+            self._isolated = call_isolated(init)
+        if self._isolated != SUCCESS:
+            return self._isolated
+        return int(init())
+
+    def shutdown(self) -> int:
+        if self.lib is None:
+            return SUCCESS
+        return int(self._fn("nvmlShutdown")())
+
+    def driver_version(self) -> tuple[str, int]:
+        buf = ctypes().create_string_buffer(VERSION_BUFFER)
+        ret = self._fn("nvmlSystemGetDriverVersion")(buf, VERSION_BUFFER)
+        return buf.value.decode(errors="replace"), ret
+
+    # ------------------------------------------------------------ devices
+
+    def _out(self, name: tuple[str, ...], kind: str, *args: Any) -> tuple[Any, int]:
+        c = ctypes()
+        value = getattr(c, kind)()
+        ret = self._fn(*name)(*args, c.byref(value))
+        return value.value, int(ret)
+
+    def count(self) -> tuple[int, int]:
+        return self._out(("nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"), "c_uint")
+
+    def handle_by_index(self, index: int) -> tuple[Any, int]:
+        c = ctypes()
+        return self._out(("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"),
+                         "c_void_p", c.c_uint(index))
+
+    def handle_by_uuid(self, uuid: str) -> tuple[Any, int]:
+        c = ctypes()
+        return self._out(("nvmlDeviceGetHandleByUUID",), "c_void_p", c.c_char_p(uuid.encode()))
+
+    def _text(self, name: str, handle: Any, size: int) -> tuple[str, int]:
+        c = ctypes()
+        buf = c.create_string_buffer(size)
+        ret = self._fn(name)(c.c_void_p(handle), buf, c.c_uint(size))
+        return buf.value.decode(errors="replace"), int(ret)
+
+    def name(self, handle: Any) -> tuple[str, int]:
+        return self._text("nvmlDeviceGetName", handle, NAME_BUFFER)
+
+    def uuid(self, handle: Any) -> tuple[str, int]:
+        return self._text("nvmlDeviceGetUUID", handle, UUID_BUFFER)
+
+    def _uint(self, name: str, handle: Any) -> tuple[int, int]:
+        return self._out((name,), "c_uint", ctypes().c_void_p(handle))
+
+    def minor(self, handle: Any) -> tuple[int, int]:
+        return self._uint("nvmlDeviceGetMinorNumber", handle)
+
+    def index(self, handle: Any) -> tuple[int, int]:
+        return self._uint("nvmlDeviceGetIndex", handle)
+
+    def is_mig_device(self, handle: Any) -> tuple[bool, int]:
+        value, ret = self._uint("nvmlDeviceIsMigDeviceHandle", handle)
+        return bool(value), ret
+
+    def mig_mode(self, handle: Any) -> tuple[int, int]:
+        """(current mode, return) of nvmlDeviceGetMigMode."""
+        c = ctypes()
+        current, pending = c.c_uint(), c.c_uint()
+        ret = self._fn("nvmlDeviceGetMigMode")(c.c_void_p(handle), c.byref(current),
+                                              c.byref(pending))
+        return current.value, int(ret)
+
+    def max_mig_device_count(self, handle: Any) -> tuple[int, int]:
+        return self._uint("nvmlDeviceGetMaxMigDeviceCount", handle)
+
+    def mig_handle_by_index(self, handle: Any, index: int) -> tuple[Any, int]:
+        c = ctypes()
+        return self._out(("nvmlDeviceGetMigDeviceHandleByIndex",), "c_void_p",
+                         c.c_void_p(handle), c.c_uint(index))
+
+    def parent_of_mig(self, handle: Any) -> tuple[Any, int]:
+        return self._out(("nvmlDeviceGetDeviceHandleFromMigDeviceHandle",), "c_void_p",
+                         ctypes().c_void_p(handle))
+
+    def gpu_instance_id(self, handle: Any) -> tuple[int, int]:
+        return self._uint("nvmlDeviceGetGpuInstanceId", handle)
+
+    def compute_instance_id(self, handle: Any) -> tuple[int, int]:
+        return self._uint("nvmlDeviceGetComputeInstanceId", handle)
+
+    def _struct(self, name: tuple[str, ...], words: int, *args: Any) -> tuple[list[int], int]:
+        """A struct out-parameter as ``words`` unsigned ints (enough room for any
+        version of it)."""
+        c = ctypes()
+        buf = (c.c_uint * words)()
+        ret = self._fn(*name)(*args, c.byref(buf))
+        return list(buf), int(ret)
+
+    def memory_total(self, handle: Any) -> tuple[int, int]:
+        words, ret = self._struct(("nvmlDeviceGetMemoryInfo",), 6, ctypes().c_void_p(handle))
+        return words[0] | words[1] << 32, ret
+
+    def attributes_memory_mb(self, handle: Any) -> tuple[int, int]:
+        words, ret = self._struct(("nvmlDeviceGetAttributes_v2", "nvmlDeviceGetAttributes"),
+                                  10, ctypes().c_void_p(handle))
+        return words[8] | words[9] << 32, ret
+
+    def gpu_instance_by_id(self, handle: Any, gi: int) -> tuple[Any, int]:
+        c = ctypes()
+        return self._out(("nvmlDeviceGetGpuInstanceById",), "c_void_p", c.c_void_p(handle),
+                         c.c_uint(gi))
+
+    def compute_instance_by_id(self, gpu_instance: Any, ci: int) -> tuple[Any, int]:
+        c = ctypes()
+        return self._out(("nvmlGpuInstanceGetComputeInstanceById",), "c_void_p",
+                         c.c_void_p(gpu_instance), c.c_uint(ci))
+
+    def gpu_instance_profile_id(self, gpu_instance: Any) -> tuple[int, int]:
+        """nvmlGpuInstanceGetInfo's profileId (after the device pointer and the id)."""
+        words, ret = self._struct(("nvmlGpuInstanceGetInfo",), 6, ctypes().c_void_p(gpu_instance))
+        return words[3], ret
+
+    def compute_instance_profile_id(self, compute_instance: Any) -> tuple[int, int]:
+        """nvmlComputeInstanceGetInfo's profileId (after two pointers and the id)."""
+        words, ret = self._struct(("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo"),
+                                  8, ctypes().c_void_p(compute_instance))
+        return words[5], ret
+
+    def gpu_instance_profile_info_id(self, handle: Any, profile: int) -> tuple[int, int]:
+        c = ctypes()
+        words, ret = self._struct(("nvmlDeviceGetGpuInstanceProfileInfo",), 12,
+                                  c.c_void_p(handle), c.c_uint(profile))
+        return words[0], ret
+
+    def compute_instance_profile_info_id(self, gpu_instance: Any, profile: int,
+                                         engine: int) -> tuple[int, int]:
+        c = ctypes()
+        words, ret = self._struct(("nvmlGpuInstanceGetComputeInstanceProfileInfo",), 9,
+                                  c.c_void_p(gpu_instance), c.c_uint(profile), c.c_uint(engine))
+        return words[0], ret
+
+    def pci_bus_id(self, handle: Any) -> tuple[str, int]:
+        """nvmlDeviceGetPciInfo (v3, else v2: busId at byte 36; v1: busId first)."""
+        c = ctypes()
+        buf = c.create_string_buffer(128)
+        if self.has("nvmlDeviceGetPciInfo_v3") or self.has("nvmlDeviceGetPciInfo_v2"):
+            ret = self._fn("nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2")(
+                c.c_void_p(handle), buf)
+            raw = buf.raw[36:68]
+        else:
+            ret = self._fn("nvmlDeviceGetPciInfo")(c.c_void_p(handle), buf)
+            raw = buf.raw[:16]
+        return raw.split(b"\0", 1)[0].decode(errors="replace"), int(ret)
+
+
+def ctypes() -> Any:
+    """The ctypes module (imported on first use: management mode never needs it)."""
+    import ctypes as module
+
+    return module
 
 
 def init_sandboxutils(log: Logger, root: str) -> None:

@@ -1,0 +1,858 @@
+/* unbounded-nvidia-setup test fixture: a simulated libnvidia-ml.so.1 (NVML).
+ *
+ * Built by tests/elfbuild.py (gcc -shared -fPIC, SONAME libnvidia-ml.so.1) into every
+ * simulated machine's staging as libnvidia-ml.so.<driver version>. It answers as the real
+ * NVML of a GPU host would, from the machine's files, so that NVIDIA's real nvidia-ctk
+ * (1.20, a lazily bound cgo binary that dlopens the driver root's libnvidia-ml.so.1), the
+ * nvidia-ctk test stand-in (ctypes) and the product all read the same simulated machine.
+ *
+ * The machine: the prefix P of this library's own real path (dladdr + realpath), the part
+ * before its first "/run/nvidia/" or "/run/host-nvidia/" component. A machine under
+ * `--root <root>` has its staging at <root>/run/host-nvidia/0 and its driver root at
+ * <root>/run/nvidia/driver, so P = <root> wherever the library is loaded from; in a booted
+ * test machine (library at /run/nvidia/driver/...) P = "", the machine's own /. A library
+ * whose path has neither component (a container's /usr/lib/...) reads "" too, the
+ * caller's own kernel, as the real NVML does. No environment variable is involved. P is
+ * found when the library is loaded and kept as an O_PATH descriptor, so a caller that
+ * loads it and then chroots (the stand-in isolates NVML's init so) still reads P.
+ *
+ * State, read again at every first nvmlInit* (refcount 0 -> 1; nvidia-ctk inits and
+ * shuts NVML down several times per run):
+ *   P/dev/nvidiactl             must be a character device (the node NVML talks to the
+ *                               kernel module through)
+ *   P/proc/driver/nvidia/gpus/<PCI bus id>/information
+ *                               the kernel module's own file, one per GPU: "Model:",
+ *                               "GPU UUID:", "Device Minor:" lines. NVML index = position
+ *                               in bus id order.
+ * Without both (nvidiactl and at least one GPU) every init answers 9, Driver Not Loaded,
+ * as on a machine without a loaded module. Beside each information file, a file the real
+ * module never writes, with this simulation's own state of that GPU (absent: healthy,
+ * MIG off):
+ *   P/proc/driver/nvidia/gpus/<bus>/simulated-nvml, lines:
+ *     lost                      the GPU fell off the bus (Xid 79): getting its handle
+ *                               (by index, UUID or PCI bus id) answers 15, GPU is lost;
+ *                               the device count still includes it
+ *     mig                       MIG mode enabled (nvmlDeviceGetMigMode 1/1; else 0/0)
+ *     mig-device <slot> <gi id> <ci id> <gi profile 0..17> <ci profile 0..8> <MIG-uuid>
+ *                               a MIG device (compute instance) in slot 0..6 of the 7
+ *                               (nvmlDeviceGetMaxMigDeviceCount); an empty slot answers
+ *                               6, Not Found. Profile info ids equal the profile index.
+ *
+ * Answers otherwise as NVML: 1 (Uninitialized) before init, nvmlErrorString's texts as
+ * the real library's (Debian 550.163.01), nvmlSystemGetDriverVersion = the version suffix
+ * of this library's real file name (libnvidia-ml.so.<version>), PCI bus ids in NVML's
+ * 8-digit domain form ("00000000:17:00.0", busIdLegacy "0000:17:00.0").
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define NVML_API __attribute__((visibility("default")))
+
+__attribute__((visibility("default"))) const char unb_simulated_nvml[] =
+    "unbounded-nvidia-setup simulated NVML";
+
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+#define MAX_GPUS 32
+#define MAX_MIG 7
+#define GI_PROFILES 18
+#define CI_PROFILES 9
+#define GIB (1024ULL * 1024ULL * 1024ULL)
+
+typedef struct nvmlDevice_st {
+    int is_mig;
+    unsigned index;               /* NVML index of a GPU; slot of a MIG device */
+    struct nvmlDevice_st *parent; /* MIG device: its GPU */
+    char uuid[96];
+    char name[96];
+    char bus[32];                 /* the information file's directory: 0000:17:00.0 */
+    unsigned domain, busnum, devnum, func;
+    unsigned minor;
+    int lost, mig_enabled;
+    int present;                  /* MIG slot in use */
+    unsigned gi, ci, gi_profile, ci_profile;
+} *nvmlDevice_t;
+
+typedef struct nvmlGpuInstance_st {
+    nvmlDevice_t parent;
+    unsigned id, profile;
+} *nvmlGpuInstance_t;
+
+typedef struct nvmlComputeInstance_st {
+    nvmlGpuInstance_t gi;
+    unsigned id, profile;
+} *nvmlComputeInstance_t;
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    char busId[16];
+    unsigned domain, bus, device, pciDeviceId, pciSubSystemId;
+    unsigned reserved0, reserved1, reserved2, reserved3;
+} nvmlPciInfo_v1_t;
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned multiprocessorCount, sharedCopyEngineCount, sharedDecoderCount,
+        sharedEncoderCount, sharedJpegCount, sharedOfaCount, gpuInstanceSliceCount,
+        computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
+
+typedef struct {
+    unsigned id, isP2pSupported, sliceCount, instanceCount, multiprocessorCount,
+        copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount;
+    unsigned long long memorySizeMB;
+} nvmlGpuInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned id, sliceCount, instanceCount, multiprocessorCount, sharedCopyEngineCount,
+        sharedDecoderCount, sharedEncoderCount, sharedJpegCount, sharedOfaCount;
+} nvmlComputeInstanceProfileInfo_t;
+
+typedef struct {
+    unsigned start, size;
+} nvmlPlacement_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned id, profileId;
+    nvmlPlacement_t placement;
+} nvmlGpuInstanceInfo_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    nvmlGpuInstance_t gpuInstance;
+    unsigned id, profileId;
+    nvmlPlacement_t placement;
+} nvmlComputeInstanceInfo_t;
+
+static struct nvmlDevice_st gpus[MAX_GPUS];
+static struct nvmlDevice_st migs[MAX_GPUS][MAX_MIG];
+static struct nvmlGpuInstance_st gis[MAX_GPUS][MAX_MIG];
+static struct nvmlComputeInstance_st cis[MAX_GPUS][MAX_MIG];
+static unsigned gpu_count;
+static int refcount;
+static int machine_fd = -1; /* O_PATH descriptor of P ("" -> "/") */
+static char own_path[PATH_MAX];
+
+static void anchor(void) {}
+
+/* P from this library's real path: before the first /run/nvidia/ or /run/host-nvidia/. */
+static void find_machine(void)
+{
+    Dl_info info;
+    char real[PATH_MAX];
+    const char *markers[] = {"/run/nvidia/", "/run/host-nvidia/"};
+    char *cut = NULL;
+    if (machine_fd >= 0)
+        return;
+    if (!dladdr((void *)anchor, &info) || info.dli_fname == NULL)
+        return;
+    if (realpath(info.dli_fname, real) == NULL)
+        return;
+    snprintf(own_path, sizeof own_path, "%s", real);
+    for (size_t i = 0; i < sizeof markers / sizeof markers[0]; i++) {
+        char *at = strstr(real, markers[i]);
+        if (at != NULL && (cut == NULL || at < cut))
+            cut = at;
+    }
+    if (cut != NULL)
+        *cut = '\0';
+    machine_fd = open(real[0] && cut != NULL ? real : "/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+}
+
+__attribute__((constructor)) static void loaded(void) { find_machine(); }
+
+static int read_at(const char *rel, char *buf, size_t size)
+{
+    int fd = openat(machine_fd, rel, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, size - 1);
+    close(fd);
+    if (n < 0)
+        return -1;
+    buf[n] = '\0';
+    return (int)n;
+}
+
+/* The value after "<key>:" on a line of the information file, trimmed. */
+static void field(const char *text, const char *key, char *out, size_t size)
+{
+    size_t klen = strlen(key);
+    out[0] = '\0';
+    for (const char *line = text; *line;) {
+        size_t len = strcspn(line, "\n");
+        if (len > klen && strncmp(line, key, klen) == 0 && line[klen] == ':') {
+            const char *v = line + klen + 1;
+            size_t n = len - klen - 1;
+            while (n > 0 && (*v == ' ' || *v == '\t')) {
+                v++;
+                n--;
+            }
+            while (n > 0 && (v[n - 1] == ' ' || v[n - 1] == '\t' || v[n - 1] == '\r'))
+                n--;
+            if (n >= size)
+                n = size - 1;
+            memcpy(out, v, n);
+            out[n] = '\0';
+            return;
+        }
+        line += len;
+        if (*line == '\n')
+            line++;
+    }
+}
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* GPU instance profile index -> slices (go-nvlib's table; 0 for an unknown one). */
+static unsigned gi_slices(unsigned profile)
+{
+    static const unsigned slices[GI_PROFILES] = {1, 2, 3, 4, 7, 8, 6, 1, 2, 1, 1, 2, 4, 1, 2, 1, 2, 3};
+    return profile < GI_PROFILES ? slices[profile] : 0;
+}
+
+static void read_sim_state(nvmlDevice_t gpu, unsigned g)
+{
+    char path[128], text[8192];
+    snprintf(path, sizeof path, "proc/driver/nvidia/gpus/%s/simulated-nvml", gpu->bus);
+    if (read_at(path, text, sizeof text) < 0)
+        return;
+    char *save = NULL;
+    for (char *line = strtok_r(text, "\n", &save); line != NULL;
+         line = strtok_r(NULL, "\n", &save)) {
+        unsigned slot, gi, ci, gip, cip;
+        char uuid[96];
+        if (strcmp(line, "lost") == 0) {
+            gpu->lost = 1;
+        } else if (strcmp(line, "mig") == 0) {
+            gpu->mig_enabled = 1;
+        } else if (sscanf(line, "mig-device %u %u %u %u %u %95s", &slot, &gi, &ci, &gip, &cip,
+                          uuid) == 6 && slot < MAX_MIG) {
+            nvmlDevice_t mig = &migs[g][slot];
+            mig->is_mig = 1;
+            mig->present = 1;
+            mig->index = slot;
+            mig->parent = gpu;
+            mig->gi = gi;
+            mig->ci = ci;
+            mig->gi_profile = gip;
+            mig->ci_profile = cip;
+            mig->minor = gpu->minor;
+            snprintf(mig->uuid, sizeof mig->uuid, "%s", uuid);
+            snprintf(mig->bus, sizeof mig->bus, "%s", gpu->bus);
+            snprintf(mig->name, sizeof mig->name, "%s MIG %ug", gpu->name, gi_slices(gip));
+        }
+    }
+    if (!gpu->mig_enabled)
+        memset(migs[g], 0, sizeof migs[g]);
+}
+
+/* The machine's GPUs now; NVML_SUCCESS or NVML_ERROR_DRIVER_NOT_LOADED. */
+static int load_machine(void)
+{
+    struct stat st;
+    char *names[MAX_GPUS * 4];
+    unsigned n = 0;
+    find_machine();
+    memset(gpus, 0, sizeof gpus);
+    memset(migs, 0, sizeof migs);
+    memset(gis, 0, sizeof gis);
+    memset(cis, 0, sizeof cis);
+    gpu_count = 0;
+    if (machine_fd < 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (fstatat(machine_fd, "dev/nvidiactl", &st, 0) != 0 || !S_ISCHR(st.st_mode))
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    int dfd = openat(machine_fd, "proc/driver/nvidia/gpus", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    DIR *dir = fdopendir(dfd);
+    if (dir == NULL) {
+        close(dfd);
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    for (struct dirent *e; (e = readdir(dir)) != NULL && n < MAX_GPUS * 4;) {
+        if (e->d_name[0] != '.')
+            names[n++] = strdup(e->d_name);
+    }
+    closedir(dir);
+    qsort(names, n, sizeof names[0], by_name);
+    for (unsigned i = 0; i < n; i++) {
+        char path[PATH_MAX], text[8192], uuid[96], minor[32], model[96];
+        snprintf(path, sizeof path, "proc/driver/nvidia/gpus/%s/information", names[i]);
+        if (gpu_count < MAX_GPUS && strlen(names[i]) < sizeof gpus[0].bus &&
+            read_at(path, text, sizeof text) >= 0) {
+            field(text, "GPU UUID", uuid, sizeof uuid);
+            field(text, "Device Minor", minor, sizeof minor);
+            field(text, "Model", model, sizeof model);
+            if (strncmp(uuid, "GPU-", 4) == 0 && minor[0] && strspn(minor, "0123456789") == strlen(minor)) {
+                nvmlDevice_t gpu = &gpus[gpu_count];
+                gpu->index = gpu_count;
+                snprintf(gpu->uuid, sizeof gpu->uuid, "%s", uuid);
+                snprintf(gpu->name, sizeof gpu->name, "%s", model[0] ? model : "NVIDIA GPU");
+                snprintf(gpu->bus, sizeof gpu->bus, "%s", names[i]);
+                gpu->minor = (unsigned)strtoul(minor, NULL, 10);
+                if (sscanf(names[i], "%x:%x:%x.%x", &gpu->domain, &gpu->busnum, &gpu->devnum,
+                           &gpu->func) != 4)
+                    gpu->domain = gpu->busnum = gpu->devnum = gpu->func = 0;
+                read_sim_state(gpu, gpu_count);
+                gpu_count++;
+            }
+        }
+        free(names[i]);
+    }
+    return gpu_count ? NVML_SUCCESS : NVML_ERROR_DRIVER_NOT_LOADED;
+}
+
+static int valid(nvmlDevice_t d)
+{
+    if (d == NULL)
+        return 0;
+    if (d >= &gpus[0] && d < &gpus[gpu_count])
+        return 1;
+    return d >= &migs[0][0] && d < &migs[MAX_GPUS][0] && d->present;
+}
+
+static unsigned gpu_slot(nvmlDevice_t gpu) { return (unsigned)(gpu - &gpus[0]); }
+
+static int copy_out(const char *value, char *buf, unsigned length)
+{
+    if (buf == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(value) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, value, strlen(value) + 1);
+    return NVML_SUCCESS;
+}
+
+#define NEEDS_INIT()                                                                       \
+    do {                                                                                   \
+        if (refcount == 0)                                                                 \
+            return NVML_ERROR_UNINITIALIZED;                                               \
+    } while (0)
+
+#define NEEDS_DEVICE(d)                                                                    \
+    do {                                                                                   \
+        NEEDS_INIT();                                                                      \
+        if (!valid(d))                                                                     \
+            return NVML_ERROR_INVALID_ARGUMENT;                                            \
+    } while (0)
+
+/* ---------------------------------------------------------------- init, shutdown */
+
+NVML_API int nvmlInit_v2(void)
+{
+    if (refcount == 0) {
+        int ret = load_machine();
+        if (ret != NVML_SUCCESS)
+            return ret;
+    }
+    refcount++;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlInit(void) { return nvmlInit_v2(); }
+
+NVML_API int nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    return nvmlInit_v2();
+}
+
+NVML_API int nvmlShutdown(void)
+{
+    if (refcount > 0)
+        refcount--;
+    return NVML_SUCCESS;
+}
+
+NVML_API const char *nvmlErrorString(int result)
+{
+    switch (result) {
+    case 0: return "Success";
+    case 1: return "Uninitialized";
+    case 2: return "Invalid Argument";
+    case 3: return "Not Supported";
+    case 4: return "Insufficient Permissions";
+    case 5: return "Already Initialized";
+    case 6: return "Not Found";
+    case 7: return "Insufficient Size";
+    case 8: return "Insufficient External Power";
+    case 9: return "Driver Not Loaded";
+    case 10: return "Timeout";
+    case 11: return "Interrupt Request Issue";
+    case 12: return "NVML Shared Library Not Found";
+    case 13: return "Function Not Found";
+    case 14: return "Corrupted infoROM";
+    case 15: return "GPU is lost";
+    case 16: return "GPU requires reset";
+    case 17: return "GPU access blocked by the operating system";
+    case 18: return "Driver/library version mismatch";
+    case 19: return "In use by another client";
+    case 20: return "Insufficient Memory";
+    case 21: return "No data";
+    case 22: return "vGPU ECC not supported";
+    case 23: return "Insufficient Resources";
+    case 24: return "Invalid Frequency";
+    case 25: return "Argument version mismatch";
+    case 26: return "Requested functionality has been deprecated";
+    case 27: return "System is not in ready state";
+    case 28: return "No supported GPUs were found";
+    case 29: return "Resource not in correct state to perform requested operation";
+    default: return "Unknown Error";
+    }
+}
+
+NVML_API int nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    const char *prefix = "libnvidia-ml.so.";
+    NEEDS_INIT();
+    const char *base = strrchr(own_path, '/');
+    base = base ? base + 1 : own_path;
+    if (strncmp(base, prefix, strlen(prefix)) != 0)
+        return NVML_ERROR_UNKNOWN;
+    const char *ver = base + strlen(prefix);
+    /* digits and dots, at least one dot, not starting or ending with one */
+    int dots = 0;
+    if (!isdigit((unsigned char)ver[0]) || !isdigit((unsigned char)ver[strlen(ver) - 1]))
+        return NVML_ERROR_UNKNOWN;
+    for (const char *c = ver; *c; c++) {
+        if (*c == '.') {
+            if (c[1] == '.')
+                return NVML_ERROR_UNKNOWN;
+            dots++;
+        } else if (!isdigit((unsigned char)*c)) {
+            return NVML_ERROR_UNKNOWN;
+        }
+    }
+    if (dots == 0)
+        return NVML_ERROR_UNKNOWN;
+    return copy_out(ver, version, length);
+}
+
+/* ---------------------------------------------------------------- device handles */
+
+NVML_API int nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    NEEDS_INIT();
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = gpu_count;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+NVML_API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    NEEDS_INIT();
+    if (device == NULL || index >= gpu_count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (gpus[index].lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    *device = &gpus[index];
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+NVML_API int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    NEEDS_INIT();
+    if (uuid == NULL || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned g = 0; g < gpu_count; g++) {
+        if (strcmp(gpus[g].uuid, uuid) == 0) {
+            if (gpus[g].lost)
+                return NVML_ERROR_GPU_IS_LOST;
+            *device = &gpus[g];
+            return NVML_SUCCESS;
+        }
+        for (unsigned j = 0; j < MAX_MIG; j++) {
+            if (migs[g][j].present && strcmp(migs[g][j].uuid, uuid) == 0) {
+                if (gpus[g].lost)
+                    return NVML_ERROR_GPU_IS_LOST;
+                *device = &migs[g][j];
+                return NVML_SUCCESS;
+            }
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* "00000000:17:00.0", "0000:17:00.0" or "17:00.0" -> domain, bus, device, function */
+static int parse_bus(const char *text, unsigned *dom, unsigned *bus, unsigned *dev, unsigned *fn)
+{
+    if (sscanf(text, "%x:%x:%x.%x", dom, bus, dev, fn) == 4)
+        return 1;
+    *dom = 0;
+    return sscanf(text, "%x:%x.%x", bus, dev, fn) == 3;
+}
+
+NVML_API int nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    unsigned dom, bus, dev, fn;
+    NEEDS_INIT();
+    if (pciBusId == NULL || device == NULL || !parse_bus(pciBusId, &dom, &bus, &dev, &fn))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned g = 0; g < gpu_count; g++) {
+        nvmlDevice_t gpu = &gpus[g];
+        if (gpu->domain == dom && gpu->busnum == bus && gpu->devnum == dev && gpu->func == fn) {
+            if (gpu->lost)
+                return NVML_ERROR_GPU_IS_LOST;
+            *device = gpu;
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+NVML_API int nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device);
+}
+
+/* ---------------------------------------------------------------- device queries */
+
+NVML_API int nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    NEEDS_DEVICE(device);
+    return copy_out(device->uuid, uuid, length);
+}
+
+NVML_API int nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    NEEDS_DEVICE(device);
+    return copy_out(device->name, name, length);
+}
+
+NVML_API int nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
+{
+    NEEDS_DEVICE(device);
+    if (minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *minor = device->minor;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    NEEDS_DEVICE(device);
+    if (index == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *index = device->index;
+    return NVML_SUCCESS;
+}
+
+static void pci_fields(nvmlDevice_t device, char *legacy, size_t legacy_size, char *busid,
+                       size_t busid_size, unsigned *domain, unsigned *bus, unsigned *dev,
+                       unsigned *devid, unsigned *subsys)
+{
+    nvmlDevice_t gpu = device->is_mig ? device->parent : device;
+    snprintf(legacy, legacy_size, "%04x:%02x:%02x.%x", gpu->domain, gpu->busnum, gpu->devnum,
+             gpu->func);
+    if (busid != NULL)
+        snprintf(busid, busid_size, "%08x:%02x:%02x.%x", gpu->domain, gpu->busnum,
+                 gpu->devnum, gpu->func);
+    *domain = gpu->domain;
+    *bus = gpu->busnum;
+    *dev = gpu->devnum;
+    *devid = 0x233010DE;  /* H100 SXM5 80GB */
+    *subsys = 0x16C110DE;
+}
+
+NVML_API int nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    NEEDS_DEVICE(device);
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    pci_fields(device, pci->busIdLegacy, sizeof pci->busIdLegacy, pci->busId, sizeof pci->busId,
+               &pci->domain, &pci->bus, &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v3(device, pci);
+}
+
+NVML_API int nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *pci)
+{
+    NEEDS_DEVICE(device);
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    pci_fields(device, pci->busId, sizeof pci->busId, NULL, 0, &pci->domain, &pci->bus,
+               &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    NEEDS_DEVICE(device);
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memory->total = device->is_mig ? 10 * GIB : 80 * GIB;
+    memory->used = 1 * GIB / 2;
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    NEEDS_DEVICE(device);
+    if (attributes == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(attributes, 0, sizeof *attributes);
+    unsigned slices = device->is_mig ? gi_slices(device->gi_profile) : 7;
+    if (slices == 0)
+        slices = 1;
+    attributes->multiprocessorCount = 16 * slices;
+    attributes->sharedCopyEngineCount = slices;
+    attributes->sharedDecoderCount = slices;
+    attributes->gpuInstanceSliceCount = slices;
+    attributes->computeInstanceSliceCount = slices;
+    /* 1g.10gb of an H100 80GB: 9856 MB; the whole GPU: 81559 MB */
+    attributes->memorySizeMB = device->is_mig ? 9856ULL * slices : 81559ULL;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    return nvmlDeviceGetAttributes_v2(device, attributes);
+}
+
+/* ---------------------------------------------------------------- MIG */
+
+NVML_API int nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
+{
+    NEEDS_DEVICE(device);
+    if (current == NULL || pending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *current = *pending = device->mig_enabled ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    NEEDS_DEVICE(device);
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *count = MAX_MIG;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                 nvmlDevice_t *mig)
+{
+    NEEDS_DEVICE(device);
+    if (mig == NULL || device->is_mig || index >= MAX_MIG)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlDevice_t found = &migs[gpu_slot(device)][index];
+    if (!device->mig_enabled || !found->present)
+        return NVML_ERROR_NOT_FOUND;
+    *mig = found;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    NEEDS_DEVICE(device);
+    if (isMigDevice == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isMigDevice = device->is_mig ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mig, nvmlDevice_t *device)
+{
+    NEEDS_DEVICE(mig);
+    if (device == NULL || !mig->is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = mig->parent;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    NEEDS_DEVICE(device);
+    if (id == NULL || !device->is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->gi;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    NEEDS_DEVICE(device);
+    if (id == NULL || !device->is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->ci;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                          nvmlGpuInstance_t *gpuInstance)
+{
+    NEEDS_DEVICE(device);
+    if (gpuInstance == NULL || device->is_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!device->mig_enabled)
+        return NVML_ERROR_NOT_SUPPORTED;
+    unsigned g = gpu_slot(device);
+    for (unsigned j = 0; j < MAX_MIG; j++) {
+        if (migs[g][j].present && migs[g][j].gi == id) {
+            gis[g][j].parent = device;
+            gis[g][j].id = id;
+            gis[g][j].profile = migs[g][j].gi_profile;
+            *gpuInstance = &gis[g][j];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+static int valid_gi(nvmlGpuInstance_t gi)
+{
+    return refcount > 0 && gi != NULL && gi >= &gis[0][0] && gi < &gis[MAX_GPUS][0] &&
+           gi->parent != NULL;
+}
+
+static int valid_ci(nvmlComputeInstance_t ci)
+{
+    return refcount > 0 && ci != NULL && ci >= &cis[0][0] && ci < &cis[MAX_GPUS][0] &&
+           ci->gi != NULL;
+}
+
+NVML_API int nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                 nvmlGpuInstanceProfileInfo_t *info)
+{
+    NEEDS_DEVICE(device);
+    if (info == NULL || device->is_mig || profile >= GI_PROFILES)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    info->id = profile;
+    info->sliceCount = gi_slices(profile);
+    info->instanceCount = 7 / (info->sliceCount ? info->sliceCount : 1);
+    info->multiprocessorCount = 16 * info->sliceCount;
+    info->copyEngineCount = info->sliceCount;
+    info->memorySizeMB = 9856ULL * info->sliceCount;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
+{
+    if (refcount == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_gi(gpuInstance) || info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    info->device = gpuInstance->parent;
+    info->id = gpuInstance->id;
+    info->profileId = gpuInstance->profile;
+    info->placement.size = gi_slices(gpuInstance->profile);
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuInstance, unsigned int id,
+                                                   nvmlComputeInstance_t *computeInstance)
+{
+    if (refcount == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_gi(gpuInstance) || computeInstance == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned g = gpu_slot(gpuInstance->parent);
+    for (unsigned j = 0; j < MAX_MIG; j++) {
+        nvmlDevice_t mig = &migs[g][j];
+        if (mig->present && mig->gi == gpuInstance->id && mig->ci == id) {
+            cis[g][j].gi = gpuInstance;
+            cis[g][j].id = id;
+            cis[g][j].profile = mig->ci_profile;
+            *computeInstance = &cis[g][j];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+NVML_API int nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t gpuInstance,
+                                                          unsigned int profile,
+                                                          unsigned int engProfile,
+                                                          nvmlComputeInstanceProfileInfo_t *info)
+{
+    static const unsigned slices[CI_PROFILES] = {1, 2, 3, 4, 7, 8, 6, 1, 7};
+    if (refcount == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_gi(gpuInstance) || info == NULL || profile >= CI_PROFILES || engProfile != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    info->id = profile;
+    info->sliceCount = slices[profile];
+    info->instanceCount = 1;
+    info->multiprocessorCount = 16 * slices[profile];
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
+                                           nvmlComputeInstanceInfo_t *info)
+{
+    if (refcount == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!valid_ci(computeInstance) || info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    info->device = computeInstance->gi->parent;
+    info->gpuInstance = computeInstance->gi;
+    info->id = computeInstance->id;
+    info->profileId = computeInstance->profile;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInstance,
+                                        nvmlComputeInstanceInfo_t *info)
+{
+    return nvmlComputeInstanceGetInfo_v2(computeInstance, info);
+}

@@ -1,0 +1,293 @@
+"""The GPUs of a simulated machine as the kernel module lists them and as the simulated
+NVML (tests/simnvml.c, which the nvidia-ctk stand-in and NVIDIA's nvidia-ctk both load)
+answers for them: GPUs arriving, a GPU fallen off the bus, an NVML that answers for none,
+MIG devices with their caps nodes, IMEX channels. tests/simgpu.py builds the machine;
+this module changes what its GPUs say.
+
+The simulated NVML reads, for each GPU, the module's own
+``proc/driver/nvidia/gpus/<bus id>/information`` and, beside it, a ``simulated-nvml``
+file of its own state (``lost``, ``mig``, ``mig-device ...``; tests/simnvml.c)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nodefiles import mknod_char
+
+if TYPE_CHECKING:
+    from simgpu import SimMachine
+
+GPUS_DIR = Path("proc/driver/nvidia/gpus")
+def gpu_bus_id(minor: int) -> str:
+    """The PCI bus id of the GPU at /dev/nvidia<minor> (its information file's directory;
+    NVML says it with an 8-digit domain). None of them is a PCI device of this host, so
+    nvidia-ctk finds no DRM nodes of the host's for them."""
+    return f"0000:{0x17 + 0x10 * minor:02x}:00.0"
+
+
+def gpu_uuid(minor: int) -> str:
+    """A stable GPU uuid for the GPU at /dev/nvidia<minor>, in NVML's form."""
+    import uuid
+
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"unbounded-nvidia-setup/gpu/{minor}"))
+
+
+def add_gpu_information(root: Path, minor: int, firmware: str) -> str:
+    """The kernel module's ``proc/driver/nvidia/gpus/<PCI bus id>/information`` for the GPU
+    at /dev/nvidia<minor> (the real file's lines and tabs): the simulated NVML lists the
+    GPUs written so (tests/simnvml.c). Returns the GPU's uuid."""
+    uuid = gpu_uuid(minor)
+    bus = gpu_bus_id(minor)
+    info = root / GPUS_DIR / bus / "information"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text(
+        "Model: \t\t NVIDIA H100 80GB HBM3\n"
+        f"IRQ:   \t\t {120 + minor}\n"
+        f"GPU UUID: \t {uuid}\n"
+        "Video BIOS: \t 96.00.74.00.0d\n"
+        "Bus Type: \t PCIe\n"
+        "DMA Size: \t 52 bits\n"
+        "DMA Mask: \t 0xfffffffffffff\n"
+        f"Bus Location: \t {bus}\n"
+        f"Device Minor: \t {minor}\n"
+        f"GPU Firmware: \t {firmware}\n"
+        "GPU Excluded:\t No\n"
+    )
+    return uuid
+
+
+def add_gpu(m: SimMachine, minor: int) -> str:
+    """A GPU arrives (what a reload is for): its /dev/nvidia<minor> (major 195) and, when
+    the machine's GPUs answer NVML, its information file. Returns its uuid."""
+    mknod_char(m.root / "dev" / f"nvidia{minor}", 195, minor)
+    m.devices.append(f"nvidia{minor}")
+    uuid = gpu_uuid(minor)
+    if m.nvml_gpus:
+        add_gpu_information(m.root, minor, m.version)
+        m.nvml_gpus.append(uuid)
+    return uuid
+
+
+SIM_STATE = "simulated-nvml"  # beside each information file (tests/simnvml.c)
+MIG_MINORS = Path("proc/driver/nvidia-caps/mig-minors")
+CAPABILITIES_DIR = Path("proc/driver/nvidia/capabilities")
+CAPS_DIR = "nvidia-caps"  # under dev/
+IMEX_DIR = "nvidia-caps-imex-channels"  # under dev/
+# Dynamic majors as a 550 host's kernel gives them (the module registers both)
+CAPS_MAJOR, IMEX_MAJOR = 510, 509
+MAX_MIG_DEVICES = 7  # nvmlDeviceGetMaxMigDeviceCount
+GI_PER_GPU, CI_PER_GI = 15, 8  # the driver's numbering of the caps minors
+
+
+def silence_nvml(m: SimMachine) -> None:
+    """The machine's GPUs no longer answer NVML (their information files go): nvidia-ctk's
+    default mode then fails as it does without a GPU."""
+    shutil.rmtree(m.root / "proc" / "driver" / "nvidia" / "gpus", ignore_errors=True)
+    m.nvml_gpus.clear()
+
+
+# --------------------------------------------------------------------------------------
+# What NVML says of a GPU: lost, MIG (the simulated NVML's own state, tests/simnvml.c)
+
+
+def _gpu_dir(m: SimMachine, minor: int) -> Path:
+    """The directory of the information file of the GPU at /dev/nvidia<minor>."""
+    top = m.root / GPUS_DIR
+    for info in sorted(top.glob("*/information")):
+        for line in info.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key == "Device Minor" and value.strip() == str(minor):
+                return info.parent
+    raise FileNotFoundError(f"no GPU information file under {top} says Device Minor {minor}")
+
+
+def _state_lines(m: SimMachine, minor: int) -> list[str]:
+    try:
+        return (_gpu_dir(m, minor) / SIM_STATE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _write_state(m: SimMachine, minor: int, lines: list[str]) -> None:
+    path = _gpu_dir(m, minor) / SIM_STATE
+    if lines:
+        path.write_text("".join(f"{line}\n" for line in lines))
+    elif path.exists():
+        path.unlink()
+
+
+def lose_gpu(m: SimMachine, minor: int) -> None:
+    """The GPU at /dev/nvidia<minor> falls off the bus (Xid 79): NVML answers 15, GPU is
+    lost, for its handle (by index, UUID or PCI bus id) while still counting it, so
+    nvidia-ctk's NVML mode fails at its index. Its node and information file stay."""
+    lines = _state_lines(m, minor)
+    if "lost" not in lines:
+        _write_state(m, minor, ["lost", *lines])
+
+
+def recover_gpu(m: SimMachine, minor: int) -> None:
+    """The lost GPU at /dev/nvidia<minor> is back (reset): NVML answers for it again."""
+    _write_state(m, minor, [line for line in _state_lines(m, minor) if line != "lost"])
+
+
+def _proc_devices_major(m: SimMachine, name: str, default: int) -> int:
+    """The major of driver ``name`` in the machine's proc/devices; added (``default``)
+    when the file lacks it, as the kernel lists every registered driver."""
+    path = m.root / "proc" / "devices"
+    text = path.read_text() if path.exists() else "Character devices:\n\nBlock devices:\n"
+    head, sep, block = text.partition("\n\n")
+    lines = head.splitlines()
+    for line in lines[1:]:
+        major, _, driver = line.strip().partition(" ")
+        if driver == name and major.isdigit():
+            return int(major)
+    chars = [(int(ln.split()[0]), ln.strip().partition(" ")[2]) for ln in lines[1:] if ln.strip()]
+    chars.append((default, name))
+    head = "\n".join([lines[0] if lines else "Character devices:",
+                      *(f"{ma:3d} {drv}" for ma, drv in sorted(chars))])
+    path.write_text(head + (sep or "\n\n") + block)
+    return default
+
+
+def _remove_device(m: SimMachine, name: str) -> None:
+    path = m.root / "dev" / name
+    if os.path.lexists(path):
+        path.unlink()
+    if name in m.devices:
+        m.devices.remove(name)
+
+
+def _add_device(m: SimMachine, name: str, major: int, minor: int, mode: int) -> None:
+    path = m.root / "dev" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(path):
+        path.unlink()
+    mknod_char(path, major, minor, mode)
+    if name not in m.devices:
+        m.devices.append(name)
+
+
+def _read_mig_minors(m: SimMachine) -> dict[str, int]:
+    path = m.root / MIG_MINORS
+    if not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        cap, _, minor = line.partition(" ")
+        if minor.isdigit():
+            found[cap] = int(minor)
+    return found
+
+
+def gi_cap_minor(minor: int, gi: int) -> int:
+    """The minor of the access cap of GPU instance ``gi`` of the GPU at /dev/nvidia<minor>
+    as the driver numbers them in mig-minors: config 1, monitor 2, then per GPU 15 GPU
+    instances of 9 minors each (the GI's own, then its 8 compute instances')."""
+    if not 0 <= gi < GI_PER_GPU:
+        raise ValueError(f"GPU instance id {gi}: the driver numbers 0..{GI_PER_GPU - 1}")
+    return 3 + minor * GI_PER_GPU * (1 + CI_PER_GI) + gi * (1 + CI_PER_GI)
+
+
+def ci_cap_minor(minor: int, gi: int, ci: int) -> int:
+    if not 0 <= ci < CI_PER_GI:
+        raise ValueError(f"compute instance id {ci}: the driver numbers 0..{CI_PER_GI - 1}")
+    return gi_cap_minor(minor, gi) + 1 + ci
+
+
+def _capability_text(minor: int, mode: int) -> str:
+    """/proc/driver/nvidia/capabilities/.../access as the module writes it."""
+    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+
+
+def _clear_mig(m: SimMachine, minor: int) -> None:
+    """Remove what the module shows of the GPU's MIG instances: its mig-minors lines,
+    their caps nodes and its capabilities/gpu<minor>/mig/gi* dirs."""
+    caps = _read_mig_minors(m)
+    mine = {cap: n for cap, n in caps.items() if cap.startswith(f"gpu{minor}/")}
+    for n in mine.values():
+        _remove_device(m, f"{CAPS_DIR}/nvidia-cap{n}")
+    if mine:
+        rest = [(n, cap) for cap, n in caps.items() if cap not in mine]
+        (m.root / MIG_MINORS).write_text("".join(f"{cap} {n}\n" for n, cap in sorted(rest)))
+    mig = m.root / CAPABILITIES_DIR / f"gpu{minor}" / "mig"
+    for gi in mig.glob("gi*") if mig.is_dir() else []:
+        shutil.rmtree(gi)
+
+
+def enable_mig(m: SimMachine, minor: int, devices: list[tuple[int, int, int, int]]) -> list[str]:
+    """MIG mode on the GPU at /dev/nvidia<minor>, with ``devices`` (gpu instance id,
+    compute instance id, GPU instance profile 0..16, compute instance profile 0..8), in
+    MIG slots 0..n-1: NVML lists them, the GPU itself no longer gets a full-GPU device.
+    Writes the module's files for them too: mig-minors (``config 1``, ``monitor 2``,
+    ``gpu<minor>/gi<G>/access <M>``, ``gpu<minor>/gi<G>/ci<C>/access <M>``, minors
+    numbered as the driver numbers them), the capabilities/gpu<minor>/mig/gi<G>/ci<C>
+    dirs and the caps nodes /dev/nvidia-caps/nvidia-cap<M> (config's and monitor's
+    too). Called again, it reconfigures: the GPU's previous MIG devices, their lines and
+    nodes go first. Returns the MIG devices' uuids (``MIG-<uuid5>``, stable for the same
+    GPU, ids and profiles), in slot order."""
+    if len(devices) > MAX_MIG_DEVICES:
+        raise ValueError(f"{len(devices)} MIG devices: a GPU has {MAX_MIG_DEVICES} slots")
+    if len({(gi, ci) for gi, ci, _, _ in devices}) != len(devices):
+        raise ValueError(f"MIG devices {devices}: a (gi, ci) pair twice")
+    import uuid as uuidlib
+
+    state = [line for line in _state_lines(m, minor)
+             if line != "mig" and not line.startswith("mig-device ")]
+    _clear_mig(m, minor)
+    uuids = []
+    lines = [*state, "mig"]
+    for slot, (gi, ci, gi_profile, ci_profile) in enumerate(devices):
+        name = f"unbounded-nvidia-setup/mig/{minor}/{gi}/{ci}/{gi_profile}/{ci_profile}"
+        uuid = "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, name))
+        uuids.append(uuid)
+        lines.append(f"mig-device {slot} {gi} {ci} {gi_profile} {ci_profile} {uuid}")
+    _write_state(m, minor, lines)
+
+    major = _proc_devices_major(m, "nvidia-caps", CAPS_MAJOR)
+    caps = _read_mig_minors(m)
+    caps.update({"config": 1, "monitor": 2})
+    modes = {"config": 0o400, "monitor": 0o444}
+    for gi, ci, _, _ in devices:
+        caps[f"gpu{minor}/gi{gi}/access"] = gi_cap_minor(minor, gi)
+        caps[f"gpu{minor}/gi{gi}/ci{ci}/access"] = ci_cap_minor(minor, gi, ci)
+    path = m.root / MIG_MINORS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{cap} {n}\n" for n, cap in sorted((n, c) for c, n in caps.items())))
+    capabilities = m.root / CAPABILITIES_DIR
+    for cap, n in caps.items():
+        mode = modes.get(cap, 0o444)
+        if cap in modes or cap.startswith(f"gpu{minor}/"):
+            _add_device(m, f"{CAPS_DIR}/nvidia-cap{n}", major, n, mode)
+        if cap in modes:
+            where = capabilities / "mig" / cap
+        elif cap.startswith(f"gpu{minor}/"):
+            where = capabilities / f"gpu{minor}" / "mig" / cap.partition("/")[2]
+        else:
+            continue
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text(_capability_text(n, mode))
+    return uuids
+
+
+def disable_mig(m: SimMachine, minor: int) -> None:
+    """MIG mode off on the GPU at /dev/nvidia<minor>: its MIG devices, their mig-minors
+    lines, caps nodes and capabilities dirs go; it is a full GPU again."""
+    _write_state(m, minor, [line for line in _state_lines(m, minor)
+                            if line != "mig" and not line.startswith("mig-device ")])
+    _clear_mig(m, minor)
+
+
+def add_imex_channels(m: SimMachine, count: int) -> list[str]:
+    """IMEX channels 0..count-1 (GB200/GB300 NVL racks): character nodes
+    /dev/nvidia-caps-imex-channels/channel<N>, minor N, the major of
+    ``nvidia-caps-imex-channels`` in proc/devices (added when missing). Returns their
+    /dev paths."""
+    major = _proc_devices_major(m, IMEX_DIR, IMEX_MAJOR)
+    paths = []
+    for n in range(count):
+        _add_device(m, f"{IMEX_DIR}/channel{n}", major, n, 0o666)
+        paths.append(f"/dev/{IMEX_DIR}/channel{n}")
+    return paths
