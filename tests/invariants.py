@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from unbounded_nvidia_setup.config import LAST_RUN
+
 import toolkit
 from conftest import Outcome
 
@@ -547,13 +549,17 @@ def _under(path: str, *bases: Path | str) -> bool:
 # /dev/nvidiactl read-write and, as root, mknods it when it is missing. The stand-ins do
 # neither, so this is allowed only in real-tool mode.
 _REAL_TOOL_DEV = re.compile(r"/dev/(char/\d+:\d+|nvidiactl)")
+# atomic.write_atomically's temporary file beside the last run's record.
+_LAST_RUN_TMP = re.compile(re.escape(f"{os.path.dirname(LAST_RUN)}/.{os.path.basename(LAST_RUN)}.")
+                           + r"[0-9a-f]{12}\.tmp")
 
 
 def write_violations(run: Traced, root: Path, *, forbidden: Path,
                      multiarch: str = "x86_64-linux-gnu") -> list[str]:
     """Writes outside what the tool may touch: under `root`, only the driver root's dir,
-    its work dir, the lock dir, /etc/cdi, /etc/ld.so.conf.d, ldconfig's cache files and
-    (deleting legacy links only) /usr/lib/<multiarch>; outside `root`, /dev/null, Python's
+    its work dir, the lock dir, /etc/cdi, /etc/ld.so.conf.d, ldconfig's cache files, the
+    last run's record (/run/unbounded-nvidia-setup.last-run, and its temporary file beside
+    it) and (deleting legacy links only) /usr/lib/<multiarch>; outside `root`, /dev/null, Python's
     bytecode caches and /tmp -- except anything in `forbidden` (the test's own area) --
     and, in real-tool mode, what the real nvidia-ctk does in /dev (see _REAL_TOOL_DEV)."""
     allowed = [root / "run/nvidia", root / "run/unbounded-nvidia-setup", root / "run/lock",
@@ -566,6 +572,9 @@ def write_violations(run: Traced, root: Path, *, forbidden: Path,
         path = x.path
         if _under(path, root):
             if _under(path, *allowed) or path.startswith(f"{root}/etc/ld.so.cache"):
+                continue
+            if path == str(root / LAST_RUN.lstrip("/")) or _LAST_RUN_TMP.fullmatch(
+                    path.removeprefix(str(root))):
                 continue
             if x.syscall in ("mkdir", "mkdirat") and path in ancestors:
                 continue

@@ -264,10 +264,13 @@ def test_a_compat_dir_installed_on_a_ready_node_keeps_the_live_state(
     refused(cli(m.root, "run"), conf)
     assert snapshot(m) == before
     # The repair on a running node: the file goes (a purge, whose libc-bin trigger runs a
-    # plain ldconfig); no restart of the unit, kubelet or containerd is needed.
+    # plain ldconfig); no restart of kubelet or containerd is needed. Until a run succeeds
+    # (the unit's own retry), check also says that the last one failed.
     conf.unlink()
-    assert codes(check_json(cli, m)) == {"ldcache-stale"}
+    assert codes(check_json(cli, m)) == {"ldcache-stale", "setup-failed"}
     subprocess.run([LDCONFIG, "-r", str(m.root)], check=True)
+    assert codes(check_json(cli, m)) == {"setup-failed"}
+    assert cli(m.root, "run").code == 0 and snapshot(m) == before
     assert check_json(cli, m)["ok"] is True
 
 

@@ -24,6 +24,7 @@ from unbounded_nvidia_setup.metrics import FILE
 from unbounded_nvidia_setup.problems import PROBLEM_CODES
 
 import simgpu
+import simnvml
 from conftest import Cli, needs_root, needs_tool
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -151,6 +152,7 @@ def test_run_metrics_match_what_the_run_did(m: simgpu.SimMachine, cli: Cli,
     assert 0 < value(s, "run_duration_seconds") <= after - before
     assert value(s, "driver_info", driver_version=m.version, module_version=m.version) == 1
     assert value(s, "gpu_present") == 1
+    assert value(s, "gpus") == value(s, "gpus_served") == len(m.nvml_gpus) == 2
     files, size = driver_files(m)
     assert files > 10 and size > 0
     assert (value(s, "driver_root_files"), value(s, "driver_root_bytes")) == (files, size)
@@ -197,6 +199,36 @@ def test_check_metrics_on_a_tampered_machine(m: simgpu.SimMachine, cli: Cli,
     assert cli(m.root, "run").code == 0  # repaired: the run's end-state check says so
     s = exporter.scrape()
     assert value(s, "check_ok") == 1 and problem_series(s) == dict.fromkeys(PROBLEM_CODES, 0)
+
+
+def test_a_lost_gpu_is_a_degraded_node_in_the_metrics(m: simgpu.SimMachine, cli: Cli,
+                                                       exporter: NodeExporter) -> None:
+    """Four GPUs, GPU 2 lost (NVML: GPU_IS_LOST): the run succeeds serving three, and the
+    node reads as degraded without parsing problems: gpus 4, gpus_served 3, one gpu-lost;
+    the check is not ok, the run a success. The GPU back, a run serves all four."""
+    for minor in (2, 3):
+        simnvml.add_gpu(m, minor)
+    simnvml.lose_gpu(m, 2)
+    m.write_config()
+    assert cli(m.root, "run").code == 0
+    promtool_check(exporter.directory / FILE)
+    s = exporter.scrape()
+    assert (value(s, "gpus"), value(s, "gpus_served")) == (4, 3)
+    assert value(s, "check_ok") == 0 and value(s, "run_success") == 1
+    assert problem_series(s) == {**dict.fromkeys(PROBLEM_CODES, 0), "gpu-lost": 1}
+    assert cli(m.root, "check", "--metrics").code == 1  # check's own view: the same
+
+    def untimed(samples: Samples) -> Samples:
+        return {k: v for k, v in samples.items() if k[0] != P + "check_timestamp_seconds"}
+
+    assert untimed(exporter.scrape()) == untimed(s)
+
+    simnvml.recover_gpu(m, 2)
+    assert cli(m.root, "run").code == 0
+    s = exporter.scrape()
+    assert (value(s, "gpus"), value(s, "gpus_served")) == (4, 4)
+    assert value(s, "check_ok") == 1
+    assert problem_series(s) == dict.fromkeys(PROBLEM_CODES, 0)
 
 
 def test_a_failing_run_writes_its_exit_code(m: simgpu.SimMachine, cli: Cli,
@@ -252,8 +284,10 @@ def test_a_run_refused_for_a_shadowing_conf_file_records_why(
     assert value(s, "check_ok") == 0 and value(s, "check_timestamp_seconds") >= before
     series = problem_series(s)
     assert series["ldcache-shadowed"] == 1 and series["root-missing"] == 1, series
-    assert cli(m.root, "check", "--metrics").code == 1  # the drift check says the same
-    assert problem_series(exporter.scrape()) == series
+    # The drift check says the same, and that the run failed: the run cannot name its
+    # own failure before it has ended (outcome.py), a check after it can.
+    assert cli(m.root, "check", "--metrics").code == 1
+    assert problem_series(exporter.scrape()) == series | {"setup-failed": 1}
 
     conf.unlink()
     assert cli(m.root, "run").code == 0
@@ -261,32 +295,21 @@ def test_a_run_refused_for_a_shadowing_conf_file_records_why(
     assert value(s, "check_ok") == 1 and problem_series(s) == dict.fromkeys(PROBLEM_CODES, 0)
 
 
-def _metrics_fsync(m: simgpu.SimMachine) -> int:
-    """N such that the main thread's N-th fsync is the one of the metrics temp file."""
-    trace = m.root.parent / "fsync.trace"
-    proc = subprocess.run(["strace", "-f", "-y", "-qq", "-o", str(trace), "-e", "trace=fsync",
-                           *product_argv(m.root, "run")], capture_output=True, text=True,
-                          env=product_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in trace.read_text().splitlines() if "fsync(" in ln]
-    writer = next(ln.split()[0] for ln in lines if f"/.{FILE}.tmp>" in ln)
-    ours = [ln for ln in lines if ln.split()[0] == writer]  # strace counts per thread
-    hits = [n for n, ln in enumerate(ours, 1) if f"/.{FILE}.tmp>" in ln]
-    assert len(hits) == 1, ours
-    return hits[0]
-
-
 @needs_tool("strace")
 def test_a_run_killed_while_writing_leaves_the_previous_file(
         m: simgpu.SimMachine, cli: Cli, exporter: NodeExporter) -> None:
     """SIGKILL between writing the temp file and renaming it: node_exporter keeps serving
-    the previous file whole, and the next writer clears the temp file away."""
+    the previous file whole, and the next writer clears the temp file away.
+
+    `-P` confines the injection to the temp file's own fsync: strace counts `when=` per
+    process, so a count of the main process's fsyncs also killed ldconfig, a child that
+    makes as many, and the run failed before it reached the metrics at all."""
     assert cli(m.root, "run").code == 0
-    n = _metrics_fsync(m)
     path = exporter.directory / FILE
     previous = path.read_bytes()
     proc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
-                           "-e", f"inject=fsync:signal=KILL:when={n}",
+                           "-P", str(exporter.directory / f".{FILE}.tmp"),
+                           "-e", "inject=fsync:signal=KILL:when=1",
                            *product_argv(m.root, "run")], capture_output=True, text=True,
                           env=product_env(), timeout=120)
     assert proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), proc.stderr

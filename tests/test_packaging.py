@@ -273,7 +273,7 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert settings["RemainAfterExit"] == "yes"
     assert settings["Restart"] == "on-failure"
     assert settings["RestartMode"] == "direct"
-    assert settings["NotifyAccess"] == "main"
+    assert settings["NotifyAccess"] == "exec"  # ExecReload's STATUS= counts too
     assert settings["StartLimitIntervalSec"] == "0"
     assert settings["ExecStart"] == "/usr/bin/unbounded-nvidia-setup run"
     assert settings["ExecReload"] == "/usr/bin/unbounded-nvidia-setup run --spec-only"
@@ -284,7 +284,8 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     check = dict(re.findall(r"^(\w+)=(.*)$", (trixie / UNIT_DIR / CHECK_SERVICE).read_text(),
                             re.M))
     assert check["Type"] == "oneshot"
-    assert check["ExecStart"] == "/usr/bin/unbounded-nvidia-setup check --metrics"
+    assert check["ExecStart"] == ("/usr/bin/unbounded-nvidia-setup check --metrics "
+                                  "--reload-if-degraded")
     assert check["ProtectSystem"] == "strict"
     assert set(check["ReadWritePaths"].split()) == {"-/var/lib/prometheus/node-exporter",
                                                     "/run/lock"}

@@ -222,7 +222,9 @@ def test_no_nvidia_uvm_is_not_ready(ready: simgpu.SimMachine, cli: Cli) -> None:
     report = check_json(cli, ready)
     found = [(p["code"], p["path"]) for p in problems_of(report)
              if p["code"] != "spec-bad-device-node"]  # the spec names the node too
-    assert found == [("device-missing", str(ready.root / "dev/nvidia-uvm"))], found
+    assert found == [("device-missing", str(ready.root / "dev/nvidia-uvm")),
+                     ("setup-failed", str(ready.root / "run/unbounded-nvidia-setup.last-run"))
+                     ], found
 
 
 def test_no_nvidia_uvm_on_a_first_boot_builds_nothing(m: simgpu.SimMachine, cli: Cli) -> None:

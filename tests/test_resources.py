@@ -40,7 +40,7 @@ from test_crash import (
     swapper,
     wait_for_orphans,
 )
-from unbounded_nvidia_setup.config import Config
+from unbounded_nvidia_setup.config import LAST_RUN, Config
 from unbounded_nvidia_setup.tree import manifest
 
 import elfbuild
@@ -87,11 +87,14 @@ def assert_no_leftovers(m: simgpu.SimMachine) -> None:
 
 
 def assert_no_temp_files(m: simgpu.SimMachine) -> None:
-    """No temp file of an atomic write: spec, drop-in, metrics (when metrics are on)."""
+    """No temp file of an atomic write: spec, drop-in, metrics (when metrics are on), the
+    last run's record."""
     for directory in (spec_of(m).parent, m.root / "etc/ld.so.conf.d",
                       m.root / METRICS_DIR.lstrip("/")):
         if directory.exists():
             assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+    record = m.root / LAST_RUN.lstrip("/")
+    assert not list(record.parent.glob(f".{record.name}.*.tmp"))
 
 
 def bigger_new_driver(m: simgpu.SimMachine, tmp_path: Path, size: int) -> None:
@@ -318,6 +321,14 @@ HARMLESS: dict[tuple[str, str], str] = {
          ("openat", "write", "fsync", "renameat", "unlinkat")],
         "metrics never fail a run: one warning (metrics.write); node_exporter keeps "
         "serving the previous file, and the next run writes a new one"),
+    ("mkdir", "/run"): "the directory exists already (write_atomically's mkdir of the "
+                       "last run's record's directory, exist_ok=True)",
+    **dict.fromkeys(
+        [(syscall, f"{os.path.dirname(LAST_RUN)}/*{os.path.basename(LAST_RUN)}*") for syscall
+         in ("openat", "write", "fsync", "rename", "renameat", "unlink", "unlinkat")],
+        "the record of how the run ended never fails a run: one warning (outcome.write), "
+        "and the older record is removed, so `check` names no last run rather than an "
+        "older one"),
 }
 # Failed runs that do not leave the live state as it was before them, by (syscall, glob
 # of the failed call's path). A product bug each, listed so the suite stays green while
@@ -383,6 +394,13 @@ def test_error_at_a_mutating_step_fails_cleanly(two_drivers: Swapper, scenario: 
                 warned = [line for line in run.stderr.splitlines()
                           if line.startswith("warning: metrics not written")]
                 assert len(warned) == 1 and SAYS[errno] in warned[0].lower(), run.stderr
+            if any(LAST_RUN.rsplit("/", 1)[1] in path for path in hit):
+                warned = [line for line in run.stderr.splitlines()
+                          if line.startswith("warning: cannot record how this run ended")]
+                assert len(warned) == 1 and SAYS[errno] in warned[0].lower(), run.stderr
+                record = s.m.root / LAST_RUN.lstrip("/")
+                assert not record.exists() or "exit_code 0" in record.read_text(), \
+                    f"N={point}: an older run's record is left"
             assert_no_temp_files(s.m)
         else:
             errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]

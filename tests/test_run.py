@@ -449,11 +449,37 @@ def test_a_refused_run_keeps_the_older_agents_links(m: simgpu.SimMachine, cli: C
     assert out.code != 0 and len(out.errors) == 1, out.stderr
     assert os.path.islink(legacy), f"a refused run removed {legacy}: {out.stderr}"
     assert snapshot(m) == before
-    report = json.loads(cli(m.root, "check", "--json").stdout)
-    assert str(legacy) in {p["path"] for p in report["problems"] if p["code"] == "legacy-link"}
+    problems = check_json(cli, m)["problems"]
+    assert isinstance(problems, list)
+    assert str(legacy) in {p["path"] for p in problems if p["code"] == "legacy-link"}
     if refusal == "run-nvidia-symlink":
         (m.root / "run/nvidia").unlink()
     elif refusal == "shadowed":
         (m.root / "usr/lib/libcuda.so.1").unlink()
     assert cli(m.root, "run", "--force").code == 0
     assert not os.path.lexists(legacy)
+
+
+def test_a_failed_restart_keeps_check_truthful(m: simgpu.SimMachine, cli: Cli) -> None:
+    """After a failed run on a live node the previous root and spec stay live and pass
+    every check of the files, but containerd and kubelet are down: check must not say a
+    plain `ready`. The run's failure and its cause are in check and status (issue 27)."""
+    assert cli(m.root, "run").code == 0
+    before = snapshot(m)
+    m.write_config(nvidia_ctk_args=["--mode=no-such-mode"])
+    failed = cli(m.root, "run")
+    assert failed.code == 1 and len(failed.errors) == 1, failed.stderr
+    assert snapshot(m) == before
+    report = check_json(cli, m)
+    assert report["verdict"] == "broken" and codes(report) == {"setup-failed"}, report
+    problems = report["problems"]
+    assert isinstance(problems, list)
+    problem, = problems
+    assert "nvidia-ctk cdi generate failed" in problem["message"], problem
+    assert problem["path"] == str(m.root / "run/unbounded-nvidia-setup.last-run")
+    status = cli(m.root, "status").stdout
+    assert "Last run:       `run` failed at " in status and "nvidia-ctk" in status, status
+    m.write_config()
+    assert cli(m.root, "run").code == 0
+    assert check_json(cli, m)["verdict"] == "ready"
+    assert "Last run:       `run` succeeded at " in cli(m.root, "status").stdout

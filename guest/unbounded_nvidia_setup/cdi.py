@@ -10,6 +10,7 @@ from pathlib import Path
 from . import log
 from .atomic import write_atomically
 from .config import Machine, load_yaml
+from .gpus import KernelGpu, device_ids, kernel_gpus
 from .log import die
 from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems
@@ -37,12 +38,37 @@ def parse_version(exe: str, result: Result) -> Ctk:
     return Ctk(exe, (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)))
 
 
-def generate_argv(machine: Machine, ctk: Ctk, output: Path) -> list[str]:
+def generate_argv(machine: Machine, ctk: Ctk, output: Path,
+                  device_ids: list[str] | None = None) -> list[str]:
     argv = [ctk.exe, "cdi", "generate", f"--driver-root={machine.driver_root}",
             f"--dev-root={machine.root}", "--format=yaml", f"--output={output}"]
     if ctk.version >= HOOKS_SINCE:
         argv += HOOK_FLAGS
+    if device_ids is not None:
+        argv.append(f"--device-id={','.join(device_ids)}")
     return argv + list(machine.config.nvidia_ctk_args)
+
+
+# nvidia-ctk 1.20's NVML mode on a GPU that fell off the bus (FACTS.md): the enumeration
+# of `all` stops at the first lost GPU, naming its index; a GPU asked for by UUID or MIG
+# index (`--device-id`) says only that it is lost.
+_LOST_AT = re.compile(r"error getting device handle for index '(\d+)': GPU is lost")
+_LOST = "GPU is lost"
+_DEVICE_ID_FLAGS = ("--device-id", "--device-ids", "--device", "--devices")
+
+
+def lost_index(result: Result) -> int | None:
+    """The index of the lost GPU that failed an NVML-mode generate, if that is why."""
+    if result.ok:
+        return None
+    m = _LOST_AT.search(result.stderr)
+    return int(m.group(1)) if m else None
+
+
+def selects_devices(args: tuple[str, ...]) -> bool:
+    """The config's nvidia_ctk_args choose the devices themselves: a lost GPU is then
+    theirs to leave out."""
+    return any(a.split("=", 1)[0] in _DEVICE_ID_FLAGS for a in args)
 
 
 class Generator:
@@ -72,6 +98,10 @@ class Generator:
             die(f"cannot create {self.work}: {e.strerror}", hint="/run must be writable for root")
         self.running: list[Started] = []
         self.early: Started | None = None
+        # The GPUs NVML reported lost, left out of the spec (_serve_healthy), and how many
+        # the machine's module lists.
+        self.lost: list[KernelGpu] = []
+        self.gpu_count = 0
         if machine.driver_root.is_dir() and not machine.driver_root.is_symlink():
             self.early = self._generate()
 
@@ -85,8 +115,9 @@ class Generator:
         self.running.append(started)
         return started
 
-    def _generate(self) -> Started:
-        return self._start(generate_argv(self.machine, self.ctk, self.work / "nvidia.yaml"))
+    def _generate(self, device_ids: list[str] | None = None) -> Started:
+        return self._start(generate_argv(self.machine, self.ctk, self.work / "nvidia.yaml",
+                                         device_ids))
 
     def version(self) -> Ctk:
         """nvidia-ctk as `--version` describes it."""
@@ -102,6 +133,9 @@ class Generator:
         """A validated spec for the live driver root."""
         result = (self.early or self._generate()).wait()
         self.early = None
+        index = lost_index(result)
+        if index is not None:
+            result = self._serve_healthy(result, index)
         if not result.ok and self.ctk.version >= HOOKS_SINCE:
             ctk = self.version()
             if ctk.version < HOOKS_SINCE:
@@ -121,6 +155,39 @@ class Generator:
                 hint="check the nvidia_ctk_args in the config")
         validate(self.machine, data, driver_version, helpers)
         return data
+
+    def _serve_healthy(self, failed: Result, index: int) -> Result:
+        """A lost GPU degrades the node, it never darkens it (DESIGN, 2026-12-04): ask
+        nvidia-ctk again for the healthy GPUs only. Only a lost GPU costs this second
+        call; more than one lost GPU costs one probe per GPU that follows the first,
+        since nvidia-ctk then no longer says which. `failed` stands when the GPUs cannot
+        be named without NVML, every GPU is lost, or the config chooses the devices."""
+        gpus = kernel_gpus(self.machine)
+        if index >= len(gpus) or selects_devices(self.machine.config.nvidia_ctk_args):
+            return failed
+        lost = [gpus[index]]
+        ids = device_ids(self.machine, [g for g in gpus if g not in lost])
+        if not ids:
+            return failed
+        result = self._generate(ids).wait()
+        if not result.ok and _LOST in result.stderr:
+            # Another lost GPU after the first (those before it answered): find each.
+            for gpu in gpus[index + 1:]:
+                one = device_ids(self.machine, [gpu])
+                if one and _LOST in self._generate(one).wait().stderr:
+                    lost.append(gpu)
+            ids = device_ids(self.machine, [g for g in gpus if g not in lost])
+            if not ids:
+                return failed
+            result = self._generate(ids).wait()
+        if result.ok:
+            self.lost, self.gpu_count = lost, len(gpus)
+            for gpu in lost:
+                log.warn(f"{gpu.describe()} is lost (NVML: GPU is lost; Xid 79, fallen off "
+                         f"the bus): the spec serves the {len(gpus) - len(lost)} other GPUs; "
+                         "a GPU reset or reboot on the host brings it back, then "
+                         "`systemctl reload unbounded-nvidia-setup`")
+        return result
 
     def __enter__(self) -> Generator:
         return self

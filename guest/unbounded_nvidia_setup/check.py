@@ -7,6 +7,7 @@ import json
 
 from . import log
 from .config import Machine
+from .outcome import when
 from .state import Report
 
 
@@ -30,6 +31,16 @@ def _setup_line(machine: Machine, report: Report) -> str:
     return "not running"
 
 
+def _last_run_line(report: Report) -> str:
+    last = report.last_run
+    if last is None:
+        return "none recorded since boot"
+    if last.failed:
+        return (f"`{last.command}` failed at {when(last)} (exit {last.exit_code}): "
+                f"{log.one_line(last.error or 'no error line recorded')}")
+    return f"`{last.command}` succeeded at {when(last)}"
+
+
 def render_status(machine: Machine, report: Report) -> str:
     root = report.sections.get("driver_root", {})
     spec = report.sections.get("cdi_spec", {})
@@ -37,6 +48,7 @@ def render_status(machine: Machine, report: Report) -> str:
     lines = [
         # First: while a run or clean holds the lock, what follows may be half replaced.
         f"Setup:          {_setup_line(machine, report)}",
+        f"Last run:       {_last_run_line(report)}",
         f"GPU:            {'present' if report.gpu else 'none'}",
         f"Kernel module:  {report.module_version or 'not readable'}",
         f"Driver version: {report.driver_version or '-'}",
@@ -52,6 +64,12 @@ def render_status(machine: Machine, report: Report) -> str:
                if spec.get("present") else "(missing)"),
             f"Device plugin:  {plugin['path'] + ' (present)' if plugin else 'no spec yet'}",
         ]
+        gpus = report.sections.get("gpus")
+        if gpus and gpus["listed"]:
+            lost = ", ".join(f"GPU {g['index']} ({g['uuid'] or g['device']})"
+                             for g in gpus["lost"])
+            lines.append(f"GPUs:           serving {gpus['served']} of {gpus['listed']} GPUs"
+                         + (f" (lost: {lost})" if lost else ""))
     if report.left_out:
         lines.append(f"Left out:       {len(report.left_out)} staged "
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "

@@ -52,16 +52,22 @@ def _budgeted(args: argparse.Namespace) -> Machine:
 
 def run(args: argparse.Namespace) -> int:
     from .metrics import RunRecord
+    from .outcome import RELOAD
     from .reconcile import reconcile, refresh_spec
 
     record = RunRecord()
 
     def action() -> None:
         record.machine = _budgeted(args)
-        if args.spec_only:
-            refresh_spec(record.machine, record=record)
-        else:
-            reconcile(record.machine, force=args.force, record=record)
+        try:
+            if args.spec_only:
+                record.command = RELOAD
+                refresh_spec(record.machine, record=record)
+            else:
+                reconcile(record.machine, force=args.force, record=record)
+        except Failure as e:
+            record.error = e.message
+            raise
 
     # The metrics say how the run ended, failures included: written here, where every
     # outcome has become its exit code, and unable to change it (metrics.write).
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from .check import render_json, render_text
     from .lock import shared_or_busy
-    from .state import collect_beside, unit_state
+    from .state import DEGRADED, ask_for_reload, collect_beside, unit_state
 
     def action() -> int:
         machine = _machine(args)
@@ -94,6 +100,8 @@ def check(args: argparse.Namespace) -> int:
 
             write_check(machine, report, time.time())
         print(render_json(report) if args.as_json else render_text(report))
+        if args.reload_if_degraded and report.verdict == DEGRADED:
+            ask_for_reload(machine)
         return 0 if report.ok else EXIT_FAILED
 
     return _guarded(action)
@@ -184,6 +192,11 @@ def parser() -> argparse.ArgumentParser:
     check_parser.add_argument(
         "--metrics", action="store_true",
         help="also write the result to unbounded_nvidia_setup.prom in metrics_dir")
+    check_parser.add_argument(
+        "--reload-if-degraded", action="store_true",
+        help="when the verdict is degraded (a GPU lost), ask systemd to reload "
+             "unbounded-nvidia-setup, which serves the GPU again once it is back (the "
+             "drift check's timer does this)")
     command("status", status, "summarize GPU, driver root, spec and problems")
     command("clean", clean, "remove the driver root, the CDI spec and the ld.so.conf "
             "drop-in").add_argument(

@@ -17,6 +17,8 @@ DEFAULT_CONFIG = "/etc/unbounded/nvidia-setup.yaml"
 LOCK_FILE = "/run/lock/unbounded-nvidia-setup.lock"
 LDCONF_DROPIN = "/etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
 WORK_DIR = "/run/unbounded-nvidia-setup"
+# How the last run ended (outcome.py); on /run, so a boot starts without one.
+LAST_RUN = "/run/unbounded-nvidia-setup.last-run"
 PLUGIN_SPEC = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 
@@ -224,6 +226,10 @@ class Machine:
     @property
     def work_dir(self) -> Path:
         return self.at(WORK_DIR)
+
+    @property
+    def last_run(self) -> Path:
+        return self.at(LAST_RUN)
 
     @property
     def metrics_dir(self) -> Path | None:

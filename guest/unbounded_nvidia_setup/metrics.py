@@ -28,7 +28,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import log
+from . import log, outcome
+from .outcome import LostGpu
 from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
@@ -56,17 +57,30 @@ class RunRecord:
         self.report: Report | None = None  # the end state the run proved (check's report)
         self.no_gpu = False  # proved without check: no GPU, and nothing of ours left
         self.checked_at = 0.0
+        self.command = "run"  # outcome.RUN or outcome.RELOAD
+        self.error: str | None = None  # the failure's one line
+        self.lost: tuple[LostGpu, ...] = ()  # GPUs NVML reported lost (cdi.Generator)
+        # A run that never got the lock (exit 75) did nothing: the outcome on record is the
+        # lock holder's to write, not replaced by "another run holds the lock".
+        self.held_lock = False
 
     def finish(self, exit_code: int) -> None:
         if self.machine is None:
             return
+        if self.held_lock:
+            lost = self.lost
+            if exit_code != 0:  # the previous spec stayed live, and with it its lost GPUs
+                previous = outcome.read(self.machine)
+                lost = previous.lost if previous is not None else ()
+            outcome.write(self.machine, outcome.Outcome(self.command, exit_code, time.time(),
+                                                        self.error, lost))
         now = time.time()
         run = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped))
         check = None
         if self.report is not None:
             check = _report_lines(self.report, self.checked_at)
         elif self.no_gpu:
-            check = list(_check_lines(False, None, None, {}, [], self.checked_at))
+            check = list(_check_lines(False, None, None, {}, [], self.checked_at, gpus={}))
         write(self.machine, run=run, check=check)
 
 
@@ -78,7 +92,7 @@ def _report_lines(report: Report, checked_at: float) -> list[str]:
     return list(_check_lines(report.gpu, report.driver_version, report.module_version,
                              report.sections.get("driver_root", {}),
                              [p.code for p in report.problems], checked_at,
-                             len(report.left_out)))
+                             len(report.left_out), report.sections.get("gpus", {})))
 
 
 def _family(name: str, kind: str, help_text: str) -> list[str]:
@@ -112,12 +126,19 @@ def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterato
 
 def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
                  root: dict[str, Any], codes: list[str], checked_at: float,
-                 left_out: int = 0) -> Iterator[str]:
+                 left_out: int = 0, gpus: dict[str, Any] | None = None) -> Iterator[str]:
     yield from _family("driver_info", "gauge", "Driver version of the driver root and "
                        "version of the loaded kernel module (empty when unknown).")
     yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
            f'module_version="{_label(module_version)}"}} 1')
     yield from _gauge("gpu_present", "1 when the machine has NVIDIA devices.", int(gpu))
+    gpus = gpus or {}
+    # Listed and served apart: an alert on `served < listed` finds the degraded nodes of
+    # a fleet (a lost GPU, docs/problems.md: gpu-lost) without reading problem codes.
+    yield from _gauge("gpus", "GPUs the kernel module lists (/proc/driver/nvidia/gpus).",
+                      gpus.get("listed", 0))
+    yield from _gauge("gpus_served", "GPUs of those whose device node the CDI spec serves.",
+                      gpus.get("served", 0))
     yield from _gauge("driver_root_files", "Regular files in the driver root.",
                       root.get("files", 0))
     yield from _gauge("driver_root_bytes", "Bytes in the driver root's files.",

@@ -22,8 +22,8 @@ class Problem:
 # Every problem code `check` can report (docs/problems.md; tests keep them in step).
 # Each has a series, 0 when absent, so an alert tells "no problem" from "no data".
 PROBLEM_CODES = (
-    "stale-state", "staging-missing", "staging-invalid", "setup-running",
-    "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root",
+    "stale-state", "staging-missing", "staging-invalid", "setup-running", "setup-failed",
+    "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root", "gpu-lost",
     "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
     "root-missing-library", "root-library-not-regular", "root-missing-link",
     "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
@@ -40,3 +40,7 @@ PROBLEM_CODES = (
 # Problems that mean "the host has not staged the driver, or bound its devices, yet",
 # not "something broke": the verdict is `not-ready-yet`.
 WAITING_CODES = frozenset({"staging-missing", "devices-not-bound"})
+
+# Problems that leave the node serving, with less: the verdict is `degraded` when they are
+# all there is (a lost GPU; docs/host-integration.md says what the host agent does).
+DEGRADED_CODES = frozenset({"gpu-lost"})

@@ -6,13 +6,14 @@ import os
 import time
 from pathlib import Path
 
-from . import cdi, devices, discover, driver, linker, log, searchorder, tree
+from . import cdi, devices, discover, driver, linker, log, outcome, searchorder, tree
 from .atomic import write_atomically
 from .config import Machine
 from .lock import locked
 from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
 from .metrics import RunRecord
 from .plan import LeftOut, Manifest, Plan
+from .problems import DEGRADED_CODES
 from .run import find_program
 from .state import collect
 from .verify import changed_copies, root_problems
@@ -99,6 +100,7 @@ def clean(machine: Machine, *, force: bool = False) -> None:
             refuse_if_consumers(machine, f"removing {machine.driver_root}", force)
         try:
             removed = remove_state(machine)
+            outcome.remove(machine)  # nothing left that a run's outcome could describe
         except OSError as e:
             die(f"cannot remove {e.filename}: {e.strerror}", hint="remove it by hand")
     log.status(f"Removed {len(removed)} items" if removed else "Nothing to remove")
@@ -107,8 +109,10 @@ def clean(machine: Machine, *, force: bool = False) -> None:
 def reconcile(machine: Machine, *, force: bool = False,
               record: RunRecord | None = None) -> None:
     """`record`, when given, learns what the run did (metrics.RunRecord)."""
+    record = record or RunRecord()
     with locked(machine):
-        _reconcile(machine, force, record or RunRecord())
+        record.held_lock = True
+        _reconcile(machine, force, record)
 
 
 def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
@@ -154,6 +158,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             with linker.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 linker.check_ldconfig(ldconfig.wait())
+            record.lost = lost_gpus(generator)
             _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
@@ -163,8 +168,21 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     if undo.swapped:
         record.swapped = True
         log.info(f"driver root {live} now holds driver {plan.version}")
-    log.status(f"Ready: driver {plan.version}, {len(plan.files)} files in {live}, "
-               f"spec {machine.cdi_spec}")
+    log.status(f"Ready{serving(generator)}: driver {plan.version}, {len(plan.files)} files "
+               f"in {live}, spec {machine.cdi_spec}")
+
+
+def lost_gpus(generator: cdi.Generator) -> tuple[outcome.LostGpu, ...]:
+    return tuple(outcome.LostGpu(g.index, g.device, g.uuid, g.bus_id) for g in generator.lost)
+
+
+def serving(generator: cdi.Generator) -> str:
+    """STATUS='s word on a degraded node: `systemctl status` shows it at a glance."""
+    if not generator.lost:
+        return ""
+    served = generator.gpu_count - len(generator.lost)
+    return (f" (degraded): serving {served} of {generator.gpu_count} GPUs, "
+            + ", ".join(f"{g.describe()} lost" for g in generator.lost))
 
 
 def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:
@@ -198,8 +216,10 @@ def refresh_spec(machine: Machine, *, record: RunRecord | None = None) -> None:
     against the live driver root, for a device change (MIG, a GPU added) with pods
     running. The root is neither copied nor swapped, so a root that no longer matches
     the staging mounts cannot be fixed here: that fails, changing nothing."""
+    record = record or RunRecord()
     with locked(machine):
-        _refresh_spec(machine, record or RunRecord())
+        record.held_lock = True
+        _refresh_spec(machine, record)
 
 
 def _refresh_spec(machine: Machine, record: RunRecord) -> None:
@@ -223,14 +243,16 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         log.status("Generating the CDI spec for the live driver root")
         helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
         spec = generator.spec(plan.version, helpers)
+        record.lost = lost_gpus(generator)
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
             changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
             raise
-    log.status(f"Spec refreshed: driver {plan.version}, {machine.cdi_spec} "
-               + ("updated" if changed else "unchanged"))
+    # STATUS= as a run's, "Ready" first: the unit's status shows the reload's outcome.
+    log.status(f"Ready{serving(generator)}: spec refreshed for driver {plan.version}, "
+               f"{machine.cdi_spec} " + ("updated" if changed else "unchanged"))
 
 
 def _read_or_none(path: Path) -> bytes | None:
@@ -259,9 +281,12 @@ def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
     log.status("Verifying the live driver root, linker cache and CDI spec")
-    report = collect(machine, want, left_out)
-    if report.problems:  # not recorded: the rollback undoes the state it describes
-        first, more = report.problems[0], len(report.problems) - 1
+    report = collect(machine, want, left_out, record.lost)
+    # A GPU left out of the spec is the run's own decision (a lost GPU, cdi.Generator):
+    # the node is Ready, degraded, and the report says so.
+    wrong = [p for p in report.problems if p.code not in DEGRADED_CODES]
+    if wrong:  # not recorded: the rollback undoes the state it describes
+        first, more = wrong[0], len(wrong) - 1
         die(f"the live state is wrong after setup: [{first.code}] {first.message}"
             + (f" (and {more} more)" if more else ""),
             hint="the previous driver root and spec were put back; systemd retries; "

@@ -8,19 +8,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, discover, driver, linker, searchorder, tree
+from . import devices, discover, driver, gpus, linker, log, outcome, searchorder, tree
 from .config import Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
-from .problems import WAITING_CODES, Problem
+from .problems import DEGRADED_CODES, WAITING_CODES, Problem
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
 SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change within one
 UNIT = "unbounded-nvidia-setup.service"
 # The answer a host agent switches on (docs/host-integration.md).
+# Minor versions add keys, codes and verdicts only (docs/problems.md); 1: `degraded`,
+# `gpu-lost`, `setup-failed` and the `gpus` section (issue 27).
+SCHEMA_MINOR = 1
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
-VERDICTS = (READY, NO_GPU, NOT_READY_YET, BROKEN)
+DEGRADED = "degraded"
+VERDICTS = (READY, DEGRADED, NO_GPU, NOT_READY_YET, BROKEN)
 
 
 @dataclass
@@ -37,6 +41,8 @@ class Report:
     # Staged libraries planning leaves out of the root (plan.LeftOut): not a problem (the
     # verdict ignores them), but a host whose driver installation is damaged.
     left_out: tuple[LeftOut, ...] = ()
+    # How the last run ended (outcome.py), when check read it.
+    last_run: outcome.Outcome | None = None
 
     @property
     def ok(self) -> bool:
@@ -53,11 +59,14 @@ class Report:
                                              and self.unit[0] == "activating")
         if in_progress or any(p.code in WAITING_CODES for p in self.problems):
             return NOT_READY_YET
+        if all(p.code in DEGRADED_CODES for p in self.problems):
+            return DEGRADED
         return BROKEN
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION, "verdict": self.verdict, "ok": self.ok,
+            "schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
+            "verdict": self.verdict, "ok": self.ok,
             "gpu": self.gpu, "driver_version": self.driver_version,
             "module_version": self.module_version, "setup_running": self.setup_running,
             "problems": [asdict(p) for p in self.problems],
@@ -91,6 +100,36 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
     if not result.ok or len(lines) < 2 or not lines[0]:
         return None
     return lines[0].strip(), lines[1].strip()
+
+
+def ask_for_reload(machine: Machine) -> None:
+    """`systemctl reload --no-block` of the setup unit, for the drift check on a degraded
+    node: only NVML can tell that a lost GPU is back (a host-side reset), and only a run
+    asks it, so the timer's check asks for the reload that does (issue 27). It never
+    waits for it; a unit that is not active (a failed boot) cannot be reloaded and says
+    so in one warning."""
+    if not machine.is_live or not os.path.isdir("/run/systemd/system"):
+        log.warn("not the running system under systemd: no reload asked for")
+        return
+    import shutil
+
+    from .budget import Limit
+    from .run import run
+
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        log.warn("systemctl not found: no reload asked for")
+        return
+    try:
+        result = run([systemctl, "reload", "--no-block", UNIT], limit=Limit(10))
+    except Failure as e:
+        log.warn(f"could not ask for `systemctl reload {UNIT}`: {e.message}")
+        return
+    if result.ok:
+        log.info(f"degraded: asked for `systemctl reload {UNIT}`, which serves a GPU that "
+                 "is back")
+    else:
+        log.warn(f"`systemctl reload {UNIT}` failed ({result.why()})")
 
 
 def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
@@ -192,7 +231,8 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
     return staged
 
 
-def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
+def _check_spec(machine: Machine, report: Report, version: str | None,
+                lost: tuple[outcome.LostGpu, ...]) -> None:
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
@@ -209,10 +249,51 @@ def _check_spec(machine: Machine, report: Report, version: str | None) -> None:
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
     report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
+    _check_gpus(machine, report, doc, lost)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
         report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
                                        "devices (nvidia-cdi-refresh?)", str(shadow)))
+
+
+def _check_gpus(machine: Machine, report: Report, doc: Any,
+                lost_by_run: tuple[outcome.LostGpu, ...]) -> None:
+    """Each GPU the last run found lost (NVML: GPU_IS_LOST) and left out of the spec is
+    `gpu-lost` while the spec still does not serve it: pods cannot get it and the others
+    are served, so the verdict is `degraded` when nothing else is wrong. Only a run asks
+    NVML; check reads the run's record (outcome.py), which names the lost GPUs of the
+    live spec (`lost_by_run`; a run proving its end state passes its own). A GPU the spec
+    leaves out for another reason (a MIG-enabled GPU without MIG devices, a GPU that
+    arrived since) is not lost."""
+    listed = gpus.kernel_gpus(machine)
+    served = gpus.served_minors(doc)
+    reported = {g.device for g in lost_by_run}
+    lost = [g for g in listed
+            if g.minor is not None and g.minor not in served and g.device in reported]
+    report.sections["gpus"] = {
+        "listed": len(listed), "served": len(listed) - len(lost),
+        "lost": [{"index": g.index, "uuid": g.uuid, "device": g.device, "bus_id": g.bus_id}
+                 for g in lost]}
+    for gpu in lost:
+        report.problems.append(Problem(
+            "gpu-lost", f"{gpu.describe()} is not in {machine.cdi_spec}: NVML reported it "
+            "lost (GPU_IS_LOST, Xid 79: fallen off the bus) when the spec was generated; "
+            f"pods get the other {len(listed) - len(lost)} of {len(listed)}",
+            str(machine.at(gpu.device or "/dev"))))
+
+
+def _check_last_run(machine: Machine, report: Report) -> None:
+    """A run that failed kept the previous root and spec live, which pass every check of
+    the files: that is not `ready` (containerd and kubelet are down while the unit
+    retries). Its own line says why (outcome.py)."""
+    last = outcome.read(machine)
+    report.last_run = last
+    if last is None or not last.failed:
+        return
+    report.problems.append(Problem(
+        "setup-failed", f"the last `{last.command}` failed at {outcome.when(last)} (exit "
+        f"{last.exit_code}): {last.error or 'no error line recorded'}; what is live is "
+        "what the run before it left", str(machine.last_run)))
 
 
 def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
@@ -242,11 +323,13 @@ def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | No
 
 
 def collect(machine: Machine, want: Manifest | None = None,
-            left_out: tuple[LeftOut, ...] = ()) -> Report:
+            left_out: tuple[LeftOut, ...] = (),
+            lost: tuple[outcome.LostGpu, ...] = ()) -> Report:
     """Everything `check` reports. With `want` (a run verifying its own end state), the
     root is compared with what the run built instead of resolving staging again (and
-    `left_out` is what its plan left out), and the device plugin's spec, which the
-    plugin rewrites after kubelet starts, is left out."""
+    `left_out` is what its plan left out, `lost` the GPUs it left out of the spec), and
+    the device plugin's spec, which the plugin rewrites after kubelet starts, is left
+    out. Without, the lost GPUs are those of the last run's record."""
     gpu = discover.has_gpu(machine)
     report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine),
                     left_out=left_out)
@@ -282,7 +365,10 @@ def collect(machine: Machine, want: Manifest | None = None,
         report.problems.append(Problem("legacy-link", f"{link} leads into the staging mounts "
                                        "(an older agent's link)", str(link)))
     _check_ldcache(machine, report, sonames, leftovers)
-    _check_spec(machine, report, version)
+    if want is None:
+        _check_last_run(machine, report)
+        lost = report.last_run.lost if report.last_run is not None else ()
+    _check_spec(machine, report, version, lost)
     if want is None:
         _check_plugin_spec(machine, report, version)
         # Not in a run's end-state proof: pods that predate the run keep the generation it
