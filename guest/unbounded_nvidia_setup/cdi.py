@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import log
+from . import imex, log
 from .atomic import write_atomically
 from .config import Machine, load_yaml
 from .gpus import KernelGpu, device_ids, kernel_gpus
@@ -153,6 +153,7 @@ class Generator:
         except OSError:
             die(f"nvidia-ctk cdi generate wrote no spec at {output}",
                 hint="check the nvidia_ctk_args in the config")
+        data = imex.with_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
         return data
 

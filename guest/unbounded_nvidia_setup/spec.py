@@ -70,6 +70,15 @@ PLUGIN_SPEC_CODES = {
 }
 
 
+def _numbers(node: dict[str, Any]) -> tuple[int, int] | None:
+    """The (major, minor) a deviceNodes entry gives, None when it gives no major (the
+    runtime then takes the host node's); a missing minor is 0 (omitempty)."""
+    major, minor = node.get("major"), node.get("minor", 0)
+    if not isinstance(major, int) or not isinstance(minor, int):
+        return None
+    return major, minor
+
+
 def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: str,
                   kind: str | None, version: str | None,
                   helpers: tuple[str, ...] = ()) -> list[Problem]:
@@ -102,13 +111,22 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
     for node in _entries(edits, "deviceNodes"):
         raw = str(node.get("hostPath") or node.get("path") or "")
         try:
-            ok = stat.S_ISCHR(os.stat(host_path(machine, raw)).st_mode)
+            st = os.stat(host_path(machine, raw))
         except OSError:
-            ok = False
-        if not ok:
+            st = None
+        if st is None or not stat.S_ISCHR(st.st_mode):
             problems.append(Problem(codes["bad-device-node"],
                                     f"{where} names device node {raw!r}, which is not a "
                                     "character device", raw))
+        elif _numbers(node) not in (None, (os.major(st.st_rdev), os.minor(st.st_rdev))):
+            # The runtime makes the pod's node from the spec's numbers, not the host's
+            # node: a caps or IMEX node re-created since (MIG reconfigured, a module
+            # reloaded) would give pods a node of another device, or of none.
+            major, minor = _numbers(node) or (0, 0)
+            problems.append(Problem(codes["bad-device-node"],
+                                    f"{where} gives device node {raw!r} the numbers "
+                                    f"{major}:{minor}, but it is "
+                                    f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}", raw))
     patterns = [("libcuda.so", "library"), ("libnvidia-ml.so", "library")]
     patterns += [(h, "helper") for h in helpers]
     for name, what in patterns:

@@ -1,0 +1,176 @@
+"""MIG devices and IMEX channels through the product (issue 27, points 3 and 4).
+
+MIG: nvidia-ctk reads the caps minors from the host's /proc/driver/nvidia-caps/mig-minors
+only (tests/procdriver.py), so every run here that meets a MIG-enabled GPU runs in a
+private mount namespace that shows the machine's proc/driver there, as a GPU host's own
+/proc/driver would be. IMEX: /dev/nvidia-caps-imex-channels/channel<N>, which 1.20's
+NVML mode lists nowhere and the product adds to `all` (guest/.../imex.py).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import simgpu
+import simnvml
+from conftest import Cli, needs_root
+from test_lost_gpu import nodes_by_device
+from test_run import check_json, codes, load_spec
+
+pytestmark = needs_root
+CAPS = simnvml.CAPS_MAJOR
+IMEX = simnvml.IMEX_MAJOR
+
+
+@pytest.fixture
+def mig(tmp_path: Path) -> tuple[simgpu.SimMachine, list[str]]:
+    """Two GPUs, the second MIG-enabled with two MIG devices (a 3g and a 1g slice)."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    return m, simnvml.enable_mig(m, 1, [(1, 0, 3, 3), (7, 0, 0, 0)])
+
+
+def caps_nodes(gi: int, ci: int) -> list[str]:
+    return sorted(["/dev/nvidia1", f"/dev/nvidia-caps/nvidia-cap{simnvml.gi_cap_minor(1, gi)}",
+                   f"/dev/nvidia-caps/nvidia-cap{simnvml.ci_cap_minor(1, gi, ci)}"])
+
+
+def numbers(doc: dict[str, Any], path: str) -> set[tuple[int, int]]:
+    return {(n["major"], n.get("minor", 0)) for d in doc["devices"]
+            for n in d["containerEdits"].get("deviceNodes", []) if n["path"] == path}
+
+
+def test_mig_devices_are_in_the_spec_with_their_caps_nodes(
+        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli) -> None:
+    m, uuids = mig
+    out = cli(m.root, "run", proc_driver=True)
+    assert out.code == 0, out.stderr
+    doc = load_spec(m)
+    devices = nodes_by_device(doc)
+    first, second = caps_nodes(1, 0), caps_nodes(7, 0)
+    assert devices["1:0"] == devices[uuids[0]] == first, devices
+    assert devices["1:1"] == devices[uuids[1]] == second, devices
+    assert "1" not in devices and m.nvml_gpus[1] not in devices  # no full-GPU device
+    assert set(first + second) <= set(devices["all"])
+    cap = f"/dev/nvidia-caps/nvidia-cap{simnvml.gi_cap_minor(1, 1)}"
+    assert numbers(doc, cap) == {(CAPS, simnvml.gi_cap_minor(1, 1))}
+    report: dict[str, Any] = check_json(cli, m)
+    assert report["verdict"] == "ready", report["problems"]
+    assert report["gpus"] == {"listed": 2, "served": 2, "lost": []}
+
+
+@pytest.mark.parametrize("damage", ["removed", "other-major", "renumbered"])
+def test_check_validates_each_mig_caps_node(
+        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli, damage: str) -> None:
+    """A caps node the spec names must exist, be the `nvidia-caps` major of
+    /proc/devices, and be the device the spec's numbers say."""
+    m, _ = mig
+    assert cli(m.root, "run", proc_driver=True).code == 0
+    minor = simnvml.ci_cap_minor(1, 7, 0)
+    node = m.root / f"dev/nvidia-caps/nvidia-cap{minor}"
+    node.unlink()
+    want: set[str]
+    if damage == "removed":
+        want = {"spec-bad-device-node"}
+    elif damage == "other-major":  # a node of a module that is not nvidia-caps now
+        os.mknod(node, stat.S_IFCHR | 0o444, os.makedev(CAPS + 1, minor))
+        want = {"device-stale", "spec-bad-device-node"}
+    else:  # the right driver, another cap: MIG reconfigured under a spec not refreshed
+        os.mknod(node, stat.S_IFCHR | 0o444, os.makedev(CAPS, minor + 1))
+        want = {"spec-bad-device-node"}
+    report: dict[str, Any] = check_json(cli, m)
+    assert report["verdict"] == "broken" and codes(report) == want, report["problems"]
+    paths = {p["path"] for p in report["problems"] if p["code"] == "spec-bad-device-node"}
+    assert paths == {str(node)}, report["problems"]
+
+
+def test_a_mig_reconfiguration_then_a_reload_serves_the_new_devices(
+        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli) -> None:
+    """nvidia-mig-manager's order: the new layout, the new caps nodes bound, then
+    `systemctl restart nvidia-cdi-refresh`, which is our reload (`run --spec-only`)."""
+    m, before = mig
+    assert cli(m.root, "run", proc_driver=True).code == 0
+    old = set(caps_nodes(1, 0) + caps_nodes(7, 0)) - {"/dev/nvidia1"}
+    after = simnvml.enable_mig(m, 1, [(2, 0, 1, 1)])
+    # The old spec still names the removed caps nodes: check says so until the reload.
+    assert "spec-bad-device-node" in codes(check_json(cli, m))
+    out = cli(m.root, "run", "--spec-only", proc_driver=True)
+    assert out.code == 0, out.stderr
+    devices = nodes_by_device(load_spec(m))
+    assert devices["1:0"] == devices[after[0]] == caps_nodes(2, 0), devices
+    assert not set(before) & set(devices) and "1:1" not in devices
+    assert not old & {p for nodes in devices.values() for p in nodes}, devices
+    assert check_json(cli, m)["verdict"] == "ready"
+
+
+def test_a_lost_gpu_beside_a_mig_gpu_keeps_the_mig_devices(
+        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli) -> None:
+    m, uuids = mig
+    simnvml.lose_gpu(m, 0)
+    out = cli(m.root, "run", proc_driver=True)
+    assert out.code == 0, out.stderr
+    devices = nodes_by_device(load_spec(m))
+    assert devices["1:0"] == devices[uuids[0]] == caps_nodes(1, 0), devices
+    assert devices["1:1"] == caps_nodes(7, 0)
+    assert "0" not in devices and "/dev/nvidia0" not in devices["all"]
+    report: dict[str, Any] = check_json(cli, m)
+    assert report["verdict"] == "degraded" and codes(report) == {"gpu-lost"}, report
+    assert [g["device"] for g in report["gpus"]["lost"]] == ["/dev/nvidia0"]
+
+
+def test_a_mig_gpu_without_instances_is_not_a_lost_gpu(tmp_path: Path, cli: Cli) -> None:
+    """MIG mode on, no instance made yet (nvidia-mig-manager has not applied a layout):
+    NVIDIA's tool gives that GPU no device, and that is no fault of the GPU. The node
+    is ready, not degraded; the other GPU is served as before."""
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    assert simnvml.enable_mig(m, 1, []) == []
+    out = cli(m.root, "run", proc_driver=True)
+    assert out.code == 0, out.stderr
+    devices = nodes_by_device(load_spec(m))
+    assert devices["0"] == devices[m.nvml_gpus[0]] == ["/dev/nvidia0"], devices
+    assert "1" not in devices and m.nvml_gpus[1] not in devices, devices
+    report: dict[str, Any] = check_json(cli, m)
+    assert report["verdict"] == "ready" and report["problems"] == [], report["problems"]
+    assert report["gpus"]["lost"] == [], report["gpus"]
+
+
+def test_imex_channels_are_in_all_with_their_numbers(tmp_path: Path, cli: Cli) -> None:
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    paths = simnvml.add_imex_channels(m, 3)
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    doc = load_spec(m)
+    every = nodes_by_device(doc)["all"]
+    assert [p for p in every if "imex" in p] == sorted(paths), every
+    for n, path in enumerate(paths):
+        assert numbers(doc, path) == {(IMEX, n)}, path
+    for name, nodes in nodes_by_device(doc).items():
+        assert name == "all" or not any("imex" in p for p in nodes)
+    assert check_json(cli, m)["verdict"] == "ready"
+    # A second run changes nothing: the channels are added the same way every time.
+    spec = m.cdi_spec.read_bytes()
+    assert cli(m.root, "run").code == 0 and m.cdi_spec.read_bytes() == spec
+
+
+def test_an_imex_channel_of_another_major_is_found(tmp_path: Path, cli: Cli) -> None:
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    path, = simnvml.add_imex_channels(m, 1)
+    assert cli(m.root, "run").code == 0
+    node = m.root / path.lstrip("/")
+    node.unlink()
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(IMEX + 2, 0))
+    report: dict[str, Any] = check_json(cli, m)
+    assert codes(report) == {"device-stale", "spec-bad-device-node"}, report["problems"]
+    stale, = [p for p in report["problems"] if p["code"] == "device-stale"]
+    assert stale["path"] == str(node)
+    # A run refuses while the node is stale, and changes nothing.
+    spec = m.cdi_spec.read_bytes()
+    assert cli(m.root, "run").code != 0 and m.cdi_spec.read_bytes() == spec
