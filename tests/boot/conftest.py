@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,16 +41,18 @@ def upgrade_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_node(tmp_path: Path, product_deb: Path) -> Iterator[NodeFactory]:
-    """``make_node(gpu=True, driver=None, nvml=False, **config)`` -> :class:`Node` (see
-    ``harness.new_node``).
+    """``make_node(gpu=True, driver=None, nvml=False, gpus=2, lost=(), **config)`` ->
+    :class:`Node` (see ``harness.new_node``; ``nvml``: nvidia-ctk's default mode, NVML,
+    where the host's GPUs answer the simulated libnvidia-ml, for the stand-in and the
+    real nvidia-ctk; ``lost``: the minors of GPUs lost before the boot).
     Every machine booted on it is stopped and its rootfs unmounted and removed after the
     test, pass or fail."""
     nodes: list[Node] = []
 
     def factory(gpu: bool = True, driver: RealDriver | None = None, nvml: bool = False,
-                **config: object) -> Node:
+                gpus: int = 2, lost: Sequence[int] = (), **config: object) -> Node:
         node = new_node(tmp_path / f"node{len(nodes)}", product_deb, gpu=gpu, driver=driver,
-                        nvml=nvml, **config)
+                        nvml=nvml, gpus=gpus, lost=lost, **config)
         nodes.append(node)
         return node
 

@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,11 @@ import hostcmd
 import rootfs
 from check_schema import parse_check
 
+import elfbuild
 import realdriver
 import realmachine
 import simgpu
+import simnvml
 import toolkit
 from .nspawn import HOST_PATH, Bind, Machine
 
@@ -196,25 +198,32 @@ def install_toolkit(root: Path) -> None:
 
 def new_node(base: Path, deb: Path, *, gpu: bool = True,
              driver: realdriver.RealDriver | None = None, nvml: bool = False,
-             **config: object) -> Node:
+             gpus: int = 2, lost: Sequence[int] = (), **config: object) -> Node:
     """Under ``base`` (created): a fresh rootfs (overlay over the cached trixie tree) with
     our .deb (``dpkg --root``), the tests' nvidia-ctk and nvidia-cdi-hook in /usr/bin and
     ``/etc/unbounded/nvidia-setup.yaml`` (``nvidia_ctk_args: ["--mode=management"]`` plus
     ``config``; with ``nvml``, the simulated host's own: none, nvidia-ctk's default mode,
     where the stand-in finds its GPUs answering NVML through the bound /proc/driver), and
     a simulated host (carrying the real ``driver`` when one is given, else
-simgpu's simulated one). With ``gpu`` its three staging dirs are bound at
+    simgpu's simulated one; with ``nvml`` and a real driver, its libnvidia-ml is the
+    simulated one, tests/simnvml.c, which the GPUs answer, the rest Debian's). The host
+    has ``gpus`` GPUs (/dev/nvidia0 ...; simnvml.add_gpu past the first two), the ones at
+    the minors ``lost`` fallen off the bus before the machine boots (simnvml.lose_gpu:
+    NVML answers GPU_IS_LOST for them). With ``gpu`` its three staging dirs are bound at
     /run/host-nvidia/{0,1,2} and its device nodes at /dev/nvidia*; without, nothing is.
     Release it with :func:`destroy_node` (the ``make_node`` fixture does)."""
-    return new_node_on(None, base, deb, gpu=gpu, driver=driver, nvml=nvml, config=config)
+    return new_node_on(None, base, deb, gpu=gpu, driver=driver, nvml=nvml, gpus=gpus,
+                       lost=lost, config=config)
 
 
 def new_node_on(lower: Path | None, base: Path, deb: Path, *, gpu: bool = True,
                 driver: realdriver.RealDriver | None = None, nvml: bool = False,
+                gpus: int = 2, lost: Sequence[int] = (),
                 config: dict[str, object] | None = None) -> Node:
     """:func:`new_node` over ``lower``, another cached tree than the base one (None: the
     base; tests/cri.py's has containerd)."""
     config = config or {}
+    assert gpu or (gpus == 2 and not lost), "a CPU node has no GPUs to add or lose"
     base.mkdir(parents=True)
     root = base / "rootfs"
     rootfs.fresh_rootfs(root, overlay=True, lower=lower)
@@ -225,6 +234,15 @@ def new_node_on(lower: Path | None, base: Path, deb: Path, *, gpu: bool = True,
         else:
             sim = simgpu.make_machine(host, driver.version, gpu=gpu)
             realmachine.use_real_driver(sim, driver)
+            if nvml and gpu:
+                elfbuild.compile_so(sim.lib_dir / f"libnvidia-ml.so.{sim.version}",
+                                    elfbuild.NVML_SONAME)
+        if gpu:
+            for minor in range(2, gpus):
+                simnvml.add_gpu(sim, minor)
+            for minor in lost:
+                simnvml.lose_gpu(sim, minor)
+        assert not (nvml and gpu) or sim.nvml_answers, "nvml=True but no GPU answers NVML"
         node = Node(rootfs=root, host=host, sim=sim, log_dir=base, gpu=gpu)
         dpkg_install(root, deb)
         install_toolkit(root)
@@ -241,6 +259,21 @@ def new_node_on(lower: Path | None, base: Path, deb: Path, *, gpu: bool = True,
         rootfs.remove_rootfs(root)
         raise
     return node
+
+
+def sync_proc_driver(node: Node) -> None:
+    """The simulated host's /proc/driver changed (simnvml.lose_gpu, recover_gpu): the copy
+    bound at the machine's /proc/driver follows, in place (the bind holds the directory),
+    files gone from the host removed, the others rewritten."""
+    src, dest = node.host / "proc/driver", node.rootfs / GUEST_PROC_DRIVER.lstrip("/")
+    assert node.proc_driver and src.is_dir(), "this node binds no /proc/driver"
+    for path in sorted(dest.rglob("*"), reverse=True):  # deepest first
+        if not os.path.lexists(src / path.relative_to(dest)):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()
+    shutil.copytree(src, dest, dirs_exist_ok=True)
 
 
 def destroy_node(node: Node) -> list[str]:

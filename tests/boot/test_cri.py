@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import cri
 import pod
 import realdriver
 import simgpu
+import simnvml
 import toolkit
 from .harness import (
     CONTAINERD,
@@ -42,9 +43,11 @@ from .harness import (
     record_timing,
     require,
     snapshot,
+    sync_proc_driver,
     us,
 )
 from .nspawn import Bind, Machine, now_us
+from .test_boot import METRICS, SPEC, metric_values
 from realmachine import use_real_driver
 
 MA = "x86_64-linux-gnu"
@@ -92,8 +95,10 @@ class CriNode:
 
 @pytest.fixture
 def cri_node(tmp_path: Path, product_deb: Path) -> Iterator[Any]:
-    """``cri_node(driver, **config)`` -> :class:`CriNode`; pods removed, machines stopped
-    and rootfs removed afterwards."""
+    """``cri_node(driver, nvml=False, gpus=2, lost=(), **config)`` -> :class:`CriNode`
+    (``harness.new_node``: ``nvml``, nvidia-ctk's default mode with the simulated NVML
+    in place of Debian's; ``gpus`` GPUs, those at the minors ``lost`` lost before the
+    boot); pods removed, machines stopped and rootfs removed afterwards."""
     why = cri.client_missing()
     require(why is None, str(why))
     try:
@@ -104,9 +109,11 @@ def cri_node(tmp_path: Path, product_deb: Path) -> Iterator[Any]:
         raise
     made: list[CriNode] = []
 
-    def factory(driver: realdriver.RealDriver, **config: object) -> CriNode:
+    def factory(driver: realdriver.RealDriver, *, nvml: bool = False, gpus: int = 2,
+                lost: Sequence[int] = (), **config: object) -> CriNode:
         base = tmp_path / f"node{len(made)}"
-        node = new_node_on(lower, base, product_deb, driver=driver, config=config)
+        node = new_node_on(lower, base, product_deb, driver=driver, nvml=nvml, gpus=gpus,
+                           lost=lost, config=config)
         state = base / "containerd-state"
         state.mkdir()
         cn = CriNode(node, state, archives, [])
@@ -472,3 +479,155 @@ def test_incident_controls_through_cri(cri_node: Any) -> None:
         m.exec("umount", "/run/host-nvidia")
         c.remove_all()
     timed("e (the incident's controls)", start)
+
+
+# -- f: a lost GPU in NVML mode (issue 27, point 5) ---------------------------------------------
+
+LOST = 1  # the minor (and NVML index: the simulated GPUs' bus ids follow their minors)
+
+
+def gpu_nodes(doc: dict[str, Any]) -> dict[str, list[str]]:
+    """Each device of the spec: the GPU nodes (/dev/nvidia<N>) it gives a container."""
+    return {d["name"]: sorted(n["path"] for n in d["containerEdits"].get("deviceNodes", [])
+                              if n["path"].removeprefix("/dev/nvidia").isdigit())
+            for d in doc["devices"]}
+
+
+def expected_devices(uuids: list[str], served: list[int]) -> dict[str, list[str]]:
+    """NVML mode's devices for the GPUs at the minors ``served``: one by index and one by
+    uuid per GPU, and ``all``."""
+    want = {"all": [f"/dev/nvidia{n}" for n in served]}
+    for n in served:
+        want[str(n)] = want[uuids[n]] = [f"/dev/nvidia{n}"]
+    return want
+
+
+def pod_gpus(report: dict[str, Any]) -> set[str]:
+    return {d for d in report["devices"] if d.removeprefix("nvidia").isdigit()}
+
+
+def lost_gpu_node(cri_node: Any, drv: realdriver.RealDriver) -> CriNode:
+    """nvidia-ctk's default mode (NVML) on a host with three GPUs, GPU :data:`LOST`
+    fallen off the bus (Xid 79, NVML: GPU_IS_LOST) before the boot; node_exporter's
+    textfile directory in the machine."""
+    cn: CriNode = cri_node(drv, nvml=True, gpus=3, lost=[LOST])
+    assert len(cn.node.sim.nvml_gpus) == 3, cn.node.sim.nvml_gpus
+    (cn.node.rootfs / METRICS.lstrip("/")).parent.mkdir(parents=True)
+    return cn
+
+
+def gpu_metrics(m: Machine) -> dict[str, float | None]:
+    metrics = metric_values(m)
+    return {k: metrics.get(k) for k in (
+        "unbounded_nvidia_setup_gpus", "unbounded_nvidia_setup_gpus_served",
+        'unbounded_nvidia_setup_check_problems{code="gpu-lost"}',
+        "unbounded_nvidia_setup_check_ok", "unbounded_nvidia_setup_run_success")}
+
+
+def assert_degraded(m: Machine, uuids: list[str]) -> None:
+    """check --json (schema-validated): degraded, GPU :data:`LOST` its only problem."""
+    lost_node = f"/dev/nvidia{LOST}"
+    check = check_json(m)
+    assert check["verdict"] == "degraded" and check["ok"] is False, check
+    assert [(p["code"], p["path"]) for p in check["problems"]] == [
+        ("gpu-lost", lost_node)], check["problems"]
+    assert check["gpus"] == {"listed": 3, "served": 2, "lost": [
+        {"index": LOST, "uuid": uuids[LOST], "device": lost_node,
+         "bus_id": simnvml.gpu_bus_id(LOST)}]}, check["gpus"]
+
+
+def test_a_lost_gpu_degrades_the_node_and_pods_get_the_others(cri_node: Any) -> None:
+    """f. Issue 27, point 5: three GPUs in NVML mode, GPU 1 lost before the boot. The
+    setup succeeds at once (no restart), the spec serves GPUs 0 and 2 (and `all` of
+    them) and names nothing of GPU 1, containerd and kubelet start, a pod asking CRI for
+    nvidia.com/gpu=all gets those two and the driver, and check, the metrics and
+    STATUS= say degraded, naming GPU 1."""
+    start = time.monotonic()
+    drv = fetch("bookworm")
+    cn = lost_gpu_node(cri_node, drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    healthy = [n for n in range(3) if n != LOST]
+    lost_node = f"/dev/nvidia{LOST}"
+    with cn.machine() as m:
+        assert "nvidia_ctk_args: []" in m.read_text("/etc/unbounded/nvidia-setup.yaml")
+        c = boot_ready(cn, m)
+        m.wait_until(lambda: m.is_active(KUBELET), timeout=UP_TIMEOUT, what="kubelet active",
+                     units=NODE_UNITS)
+        snap = snapshot(m)
+        s = snap[SETUP]
+        assert (s["ActiveState"], s["SubState"], s["Result"]) == ("active", "exited",
+                                                                  "success"), s
+        assert s["NRestarts"] == "0", s
+        assert snap[CONTAINERD]["ActiveState"] == snap[KUBELET]["ActiveState"] == "active"
+        assert is_active(m) == "active"
+        status = m.prop(SETUP, "StatusText")
+        assert status.startswith("Ready (degraded): serving 2 of 3 GPUs, "
+                                 f"GPU {LOST} ({uuids[LOST]}, {lost_node}"), status
+
+        text = m.read_text(SPEC)
+        assert gpu_nodes(yaml.safe_load(text)) == expected_devices(uuids, healthy), text
+        assert lost_node not in text and uuids[LOST] not in text, text
+
+        report = probe(c, "gpu-f", GPU)
+        assert pod.missing(report, drv.version) == [], report
+        assert pod_gpus(report) == {f"nvidia{n}" for n in healthy}, report
+
+        assert_degraded(m, uuids)
+        assert gpu_metrics(m) == {
+            "unbounded_nvidia_setup_gpus": 3, "unbounded_nvidia_setup_gpus_served": 2,
+            'unbounded_nvidia_setup_check_problems{code="gpu-lost"}': 1,
+            "unbounded_nvidia_setup_check_ok": 0,
+            "unbounded_nvidia_setup_run_success": 1}, metric_values(m)
+        # nvidia-ctk failed at GPU 1's index and was asked again for the other two; the
+        # setup logged that as a warning naming the GPU, and no error.
+        journal = m.journal("--output=cat", unit=SETUP)
+        assert f"error getting device handle for index '{LOST}': GPU is lost" in journal
+        assert "--device-id=" + ",".join(uuids[n] for n in healthy) in journal, journal
+        warnings = m.journal("--priority=warning", "--output=cat", unit=SETUP)
+        assert f"GPU {LOST} ({uuids[LOST]}, {lost_node}, {simnvml.gpu_bus_id(LOST)}) is " \
+            "lost" in warnings, warnings
+        assert m.journal("--priority=err", "--output=cat", unit=SETUP).strip() == ""
+        record_timing("cri lost gpu (f)", m, snap)
+        c.remove_all()
+    timed("f (a lost GPU in NVML mode)", start)
+
+
+def test_a_lost_gpu_that_comes_back_is_served_after_a_reload(cri_node: Any) -> None:
+    """g. The node of f; GPU 1 comes back (a reset on the host), `systemctl reload
+    unbounded-nvidia-setup`: containerd and kubelet keep running, the spec, a new pod,
+    check, the metrics and STATUS= have all three GPUs."""
+    start = time.monotonic()
+    drv = fetch("bookworm")
+    cn = lost_gpu_node(cri_node, drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    with cn.machine() as m:
+        c = boot_ready(cn, m)
+        m.wait_until(lambda: m.is_active(KUBELET), timeout=UP_TIMEOUT, what="kubelet active",
+                     units=NODE_UNITS)
+        assert_degraded(m, uuids)
+        pids = {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)}
+
+        simnvml.recover_gpu(cn.node.sim, LOST)
+        sync_proc_driver(cn.node)
+        res = m.systemctl("reload", SETUP)
+        assert res.returncode == 0, res.stdout + res.stderr
+        text = m.read_text(SPEC)
+        assert gpu_nodes(yaml.safe_load(text)) == expected_devices(uuids, [0, 1, 2]), text
+        check = check_json(m)
+        assert check["verdict"] == "ready", check
+        assert check["gpus"] == {"listed": 3, "served": 3, "lost": []}, check["gpus"]
+        assert gpu_metrics(m) == {
+            "unbounded_nvidia_setup_gpus": 3, "unbounded_nvidia_setup_gpus_served": 3,
+            'unbounded_nvidia_setup_check_problems{code="gpu-lost"}': 0,
+            "unbounded_nvidia_setup_check_ok": 1,
+            "unbounded_nvidia_setup_run_success": 1}, metric_values(m)
+        assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
+        assert m.is_active(SETUP)
+        report = probe(c, "gpu-g", GPU)
+        assert pod.missing(report, drv.version) == [], report
+        assert pod_gpus(report) == {"nvidia0", "nvidia1", "nvidia2"}, report
+        c.remove_all()
+        # What `systemctl status` shows the operator: the reload's STATUS= (NotifyAccess=exec).
+        status = m.prop(SETUP, "StatusText")
+        assert status.startswith(f"Ready: spec refreshed for driver {drv.version}, "), status
+    timed("g (a lost GPU back, reload)", start)
