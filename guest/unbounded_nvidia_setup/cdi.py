@@ -6,14 +6,17 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import imex, log
+from . import log
 from .atomic import write_atomically
-from .config import Machine, load_yaml
-from .gpus import KernelGpu, device_ids, kernel_gpus
+from .config import IMEX_CHANNELS_DIR, Machine, load_yaml
 from .log import die
 from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems
+
+if TYPE_CHECKING:
+    from .gpus import KernelGpu
 from .tree import remove_tree
 
 # Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
@@ -52,7 +55,8 @@ def generate_argv(machine: Machine, ctk: Ctk, output: Path,
 # nvidia-ctk 1.20's NVML mode on a GPU that fell off the bus (FACTS.md): the enumeration
 # of `all` stops at the first lost GPU, naming its index; a GPU asked for by UUID or MIG
 # index (`--device-id`) says only that it is lost.
-_LOST_AT = re.compile(r"error getting device handle for index '(\d+)': GPU is lost")
+# Compiled only when a generate failed: a healthy boot pays nothing for it.
+_LOST_AT = r"error getting device handle for index '(\d+)': GPU is lost"
 _LOST = "GPU is lost"
 _DEVICE_ID_FLAGS = ("--device-id", "--device-ids", "--device", "--devices")
 
@@ -61,7 +65,7 @@ def lost_index(result: Result) -> int | None:
     """The index of the lost GPU that failed an NVML-mode generate, if that is why."""
     if result.ok:
         return None
-    m = _LOST_AT.search(result.stderr)
+    m = re.search(_LOST_AT, result.stderr)
     return int(m.group(1)) if m else None
 
 
@@ -153,7 +157,12 @@ class Generator:
         except OSError:
             die(f"nvidia-ctk cdi generate wrote no spec at {output}",
                 hint="check the nvidia_ctk_args in the config")
-        data = imex.with_channels(self.machine, data)
+        # imex.py and gpus.py are imported only where they work: a module costs every
+        # boot about 5M instructions to import (docs/performance.md).
+        if os.path.isdir(self.machine.at(IMEX_CHANNELS_DIR)):
+            from . import imex
+
+            data = imex.with_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
         return data
 
@@ -163,6 +172,8 @@ class Generator:
         call; more than one lost GPU costs one probe per GPU that follows the first,
         since nvidia-ctk then no longer says which. `failed` stands when the GPUs cannot
         be named without NVML, every GPU is lost, or the config chooses the devices."""
+        from .gpus import device_ids, kernel_gpus
+
         gpus = kernel_gpus(self.machine)
         if index >= len(gpus) or selects_devices(self.machine.config.nvidia_ctk_args):
             return failed

@@ -20,6 +20,9 @@ WORK_DIR = "/run/unbounded-nvidia-setup"
 # How the last run ended (outcome.py); on /run, so a boot starts without one.
 LAST_RUN = "/run/unbounded-nvidia-setup.last-run"
 PLUGIN_SPEC = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
+# The host kernel's: /proc/driver is not namespaced (gpus.py).
+GPUS_DIR = "/proc/driver/nvidia/gpus"
+IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"  # imex.py
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 
 

@@ -17,23 +17,24 @@ j = 0 … instances - 1) there, by UUID elsewhere.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
 
-from .config import Machine
+from .config import GPUS_DIR, Machine
 
-GPUS_DIR = "/proc/driver/nvidia/gpus"
 CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
-_FIELD = re.compile(r"^(GPU UUID|Device Minor):\s*(\S+)\s*$", re.M)
+_FIELDS = ("GPU UUID", "Device Minor")
 _MAX_INFO = 1 << 14
 
 
-@dataclass(frozen=True)
+# A plain class and str methods, not a frozen dataclass and a regular expression: every
+# run's end-state proof reads the GPUs (docs/performance.md, the import diet).
 class KernelGpu:
-    index: int  # NVML's: the position in PCI bus order
-    bus_id: str
-    uuid: str | None
-    minor: int | None
+    __slots__ = ("bus_id", "index", "minor", "uuid")
+
+    def __init__(self, index: int, bus_id: str, uuid: str | None, minor: int | None) -> None:
+        self.index = index  # NVML's: the position in PCI bus order
+        self.bus_id = bus_id
+        self.uuid = uuid
+        self.minor = minor
 
     @property
     def device(self) -> str | None:
@@ -58,11 +59,22 @@ def kernel_gpus(machine: Machine) -> list[KernelGpu]:
                 text = f.read(_MAX_INFO).decode(errors="replace")
         except OSError:
             text = ""
-        fields = dict(_FIELD.findall(text))
+        fields = _fields(text)
         uuid = fields.get("GPU UUID", "")
         minor = fields.get("Device Minor", "")
         found.append(KernelGpu(index, bus, uuid if uuid.startswith("GPU-") else None,
                                int(minor) if minor.isdigit() else None))
+    return found
+
+
+def _fields(text: str) -> dict[str, str]:
+    """The information file's "GPU UUID" and "Device Minor" values ("Key: \t value")."""
+    found = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        words = value.split()
+        if sep and key in _FIELDS and len(words) == 1:
+            found[key] = words[0]
     return found
 
 

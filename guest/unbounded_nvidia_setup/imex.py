@@ -17,9 +17,9 @@ import os
 import stat
 from typing import Any
 
+from .config import IMEX_CHANNELS_DIR as DIR
 from .config import Machine
 
-DIR = "/dev/nvidia-caps-imex-channels"
 _PREFIX = "channel"
 
 

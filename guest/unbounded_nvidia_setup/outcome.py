@@ -19,7 +19,6 @@ never makes `check` skip a check of the files themselves. Its lines are `key val
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from . import log
 from .atomic import write_atomically
@@ -28,28 +27,52 @@ from .config import Machine
 RUN, RELOAD = "run", "run --spec-only"
 
 
-@dataclass(frozen=True)
+# Plain classes, not frozen dataclasses: both are made on every boot's path, where a
+# dataclass costs about 3M instructions to create (docs/performance.md).
 class LostGpu:
     """A GPU that NVML reported lost (NVML_ERROR_GPU_IS_LOST): its NVML index, and what
     the kernel module lists for it (None where it lists nothing)."""
 
-    index: int
-    device: str | None = None  # /dev/nvidia<minor>
-    uuid: str | None = None
-    bus_id: str | None = None
+    __slots__ = ("bus_id", "device", "index", "uuid")
+
+    def __init__(self, index: int, device: str | None = None, uuid: str | None = None,
+                 bus_id: str | None = None) -> None:
+        self.index = index
+        self.device = device  # /dev/nvidia<minor>
+        self.uuid = uuid
+        self.bus_id = bus_id
+
+    def _key(self) -> tuple[int, str | None, str | None, str | None]:
+        return self.index, self.device, self.uuid, self.bus_id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LostGpu) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "LostGpu({!r}, {!r}, {!r}, {!r})".format(*self._key())
 
 
-@dataclass(frozen=True)
 class Outcome:
-    command: str
-    exit_code: int
-    finished_at: float
-    error: str | None = None
-    lost: tuple[LostGpu, ...] = field(default_factory=tuple)
+    __slots__ = ("command", "error", "exit_code", "finished_at", "lost")
+
+    def __init__(self, command: str, exit_code: int, finished_at: float,
+                 error: str | None = None, lost: tuple[LostGpu, ...] = ()) -> None:
+        self.command = command
+        self.exit_code = exit_code
+        self.finished_at = finished_at
+        self.error = error
+        self.lost = lost
 
     @property
     def failed(self) -> bool:
         return self.exit_code != 0
+
+    def __repr__(self) -> str:
+        return (f"Outcome({self.command!r}, {self.exit_code}, {self.finished_at!r}, "
+                f"{self.error!r}, {self.lost!r})")
 
 
 def render(outcome: Outcome) -> str:
