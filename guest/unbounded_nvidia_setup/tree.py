@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
@@ -243,6 +242,10 @@ def _die_for(e: OSError, parent: Path) -> NoReturn:
 
 
 def _renameat2_exchange(a: Path, b: Path) -> None:
+    # Imported here: a first boot swaps nothing in (a plain rename), and ctypes costs
+    # ~7M instructions to import.
+    import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
                       _RENAME_EXCHANGE) != 0:
