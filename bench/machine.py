@@ -2,7 +2,8 @@
 
 Machines come from tests/simgpu.py (real gcc-built ELF objects with the names, SONAMEs
 and sizes of a 550 datacenter driver, ~0.8 GB of staging at scale 1.0) and use the
-nvidia-ctk stand-in tests/fakes/nvidia-ctk with `--mode=management`. The host library
+nvidia-ctk stand-in tests/fakes/nvidia-ctk in its default mode, NVML (the simulated
+libnvidia-ml, tests/simnvml.c, answers for the GPUs), as a GPU node runs. The host library
 dir is topped up with unrelated entries (hard links of a real unrelated library plus
 their SONAME symlinks) to 3,000 or 30,000 directory entries; hard links cost no tmpfs
 space, and the tool must decide by name without opening them anyway."""
