@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .discover import device_edits
 from .edits import Edits
@@ -25,6 +25,7 @@ from .logger import CtkError, Logger
 from .nvml import ERROR_INVALID_ARGUMENT, ERROR_NOT_FOUND, ERROR_NOT_SUPPORTED, NvmlLib
 from .version import Version
 
+T = TypeVar("T")
 SKIPPED_DEVICES = ("DGX Display", "NVIDIA DGX Display")  # go-nvlib's default
 DEVICE_MIG_ENABLE = 1
 GPU_INSTANCE_PROFILE_COUNT = 18
@@ -153,6 +154,13 @@ class NvmlDevices:
     def _err(self, ret: int) -> str:
         return self.nvml.error_string(ret)
 
+    def _answer(self, got: tuple[T, int], what: str) -> T:
+        """An NVML call's value, or nvidia-ctk's error for it: `what: <NVML's string>`."""
+        value, ret = got
+        if ret != 0:
+            raise CtkError(f"{what}: {self._err(ret)}")
+        return value
+
     def _init(self) -> None:
         ret = self.nvml.init()
         if ret != 0:
@@ -165,13 +173,10 @@ class NvmlDevices:
 
     def visit_devices(self, visit: Any) -> None:
         """go-nvlib devicelib.VisitDevices."""
-        count, ret = self.nvml.count()
-        if ret != 0:
-            raise CtkError(f"error getting device count: {self._err(ret)}")
+        count = self._answer(self.nvml.count(), "error getting device count")
         for i in range(count):
-            handle, ret = self.nvml.handle_by_index(i)
-            if ret != 0:
-                raise CtkError(f"error getting device handle for index '{i}': {self._err(ret)}")
+            handle = self._answer(self.nvml.handle_by_index(i),
+                                  f"error getting device handle for index '{i}'")
             name, ret = self.nvml.name(handle)
             if ret != 0:
                 raise CtkError("error checking whether device is skipped: error getting "
@@ -196,16 +201,13 @@ class NvmlDevices:
 
     def _new_mig_device(self, handle: Any) -> None:
         """go-nvlib NewMigDevice: the handle must be a MIG device's."""
-        is_mig, ret = self.nvml.is_mig_device(handle)
-        if ret != 0:
-            raise CtkError(f"error checking if device is a MIG device: {self._err(ret)}")
+        is_mig = self._answer(self.nvml.is_mig_device(handle),
+                              "error checking if device is a MIG device")
         if not is_mig:
             raise CtkError("not a MIG device")
 
     def _uuid(self, handle: Any, what: str = "device UUID") -> str:
-        uuid, ret = self.nvml.uuid(handle)
-        if ret != 0:
-            raise CtkError(f"failed to get {what}: {self._err(ret)}")
+        uuid = self._answer(self.nvml.uuid(handle), f"failed to get {what}")
         return uuid
 
     # -------------------------------------------------------- DeviceSpecGenerators
@@ -229,28 +231,21 @@ class NvmlDevices:
         uuids = [self._normalize(i) for i in identifiers]
         generators: list[Generator] = []
         for uuid in uuids:
-            handle, ret = self.nvml.handle_by_uuid(uuid)
-            if ret != 0:
-                raise CtkError(f"failed to get device handle from UUID: {self._err(ret)}")
+            handle = self._answer(self.nvml.handle_by_uuid(uuid),
+                                  "failed to get device handle from UUID")
             is_mig, ret = self.nvml.is_mig_device(handle)
             if ret != 0:
                 raise CtkError(self._err(ret))
             if not is_mig:
-                index, ret = self.nvml.index(handle)
-                if ret != 0:
-                    raise CtkError(f"failed to get device index: {self._err(ret)}")
+                index = self._answer(self.nvml.index(handle), "failed to get device index")
                 generators.append(FullGpu(uuid, index))
                 continue
             self._new_mig_device(handle)
-            parent, ret = self.nvml.parent_of_mig(handle)
-            if ret != 0:
-                raise CtkError(f"failed to get parent device handle: {self._err(ret)}")
-            parent_index, ret = self.nvml.index(parent)
-            if ret != 0:
-                raise CtkError(f"failed to get parent device index: {self._err(ret)}")
-            mig_index, ret = self.nvml.index(handle)
-            if ret != 0:
-                raise CtkError(f"failed to get MIG device index: {self._err(ret)}")
+            parent = self._answer(self.nvml.parent_of_mig(handle),
+                                  "failed to get parent device handle")
+            parent_index = self._answer(self.nvml.index(parent),
+                                        "failed to get parent device index")
+            mig_index = self._answer(self.nvml.index(handle), "failed to get MIG device index")
             generators.append(self._mig_generator(parent_index, parent, mig_index, handle))
         return generators
 
@@ -259,18 +254,15 @@ class NvmlDevices:
         if is_gpu_uuid(identifier) or is_mig_uuid(identifier):
             return identifier
         if is_gpu_index(identifier):
-            handle, ret = self.nvml.handle_by_index(int(identifier))
-            if ret != 0:
-                raise CtkError(f"failed to get device handle from index: {self._err(ret)}")
+            handle = self._answer(self.nvml.handle_by_index(int(identifier)),
+                                  "failed to get device handle from index")
             return self._uuid(handle)
         if is_mig_index(identifier):
             gpu, mig = (int(p) for p in identifier.split(":"))
-            parent, ret = self.nvml.handle_by_index(gpu)
-            if ret != 0:
-                raise CtkError(f"failed to get parent device handle: {self._err(ret)}")
-            handle, ret = self.nvml.mig_handle_by_index(parent, mig)
-            if ret != 0:
-                raise CtkError(f"failed to get MIG handle by index: {self._err(ret)}")
+            parent = self._answer(self.nvml.handle_by_index(gpu),
+                                  "failed to get parent device handle")
+            handle = self._answer(self.nvml.mig_handle_by_index(parent, mig),
+                                  "failed to get MIG handle by index")
             return self._uuid(handle, "MIG UUID")
         raise CtkError(f"identifier is not a valid UUID or index: {go_quote(identifier)}")
 
@@ -300,9 +292,8 @@ class NvmlDevices:
                 raise CtkError(f"error checking if GPU is MIG capable: {exc}") from exc
             if not capable:
                 return
-            count, ret = self.nvml.max_mig_device_count(handle)
-            if ret != 0:
-                raise CtkError(f"error getting max MIG device count: {self._err(ret)}")
+            count = self._answer(self.nvml.max_mig_device_count(handle),
+                                 "error getting max MIG device count")
             for j in range(count):
                 mig, ret = self.nvml.mig_handle_by_index(handle, j)
                 if ret in (ERROR_NOT_FOUND, ERROR_INVALID_ARGUMENT):
@@ -368,15 +359,12 @@ class NvmlDevices:
 
     def _device(self, uuid: str) -> Any:
         """go-nvlib NewDeviceByUUID."""
-        handle, ret = self.nvml.handle_by_uuid(uuid)
-        if ret != 0:
-            raise CtkError(f"error getting device handle for uuid '{uuid}': {self._err(ret)}")
+        handle = self._answer(self.nvml.handle_by_uuid(uuid),
+                              f"error getting device handle for uuid '{uuid}'")
         return handle
 
     def _dev_node(self, handle: Any) -> str:
-        minor, ret = self.nvml.minor(handle)
-        if ret != 0:
-            raise CtkError(f"error getting GPU device minor number: {self._err(ret)}")
+        minor = self._answer(self.nvml.minor(handle), "error getting GPU device minor number")
         return f"/dev/nvidia{minor}"
 
     def _bus_id(self, handle: Any) -> str:
@@ -417,33 +405,20 @@ class NvmlDevices:
 
     def _profile(self, mig: Any) -> int:
         """go-nvlib migdevice.GetProfile (the GPU instance profile index, for gfx)."""
-        parent, ret = self.nvml.parent_of_mig(mig)
-        if ret != 0:
-            raise CtkError(f"error getting parent device handle: {self._err(ret)}")
-        _, ret = self.nvml.memory_total(parent)
-        if ret != 0:
-            raise CtkError(f"error getting parent memory info: {self._err(ret)}")
-        _, ret = self.nvml.attributes_memory_mb(mig)
-        if ret != 0:
-            raise CtkError(f"error getting MIG device attributes: {self._err(ret)}")
-        gi_id, ret = self.nvml.gpu_instance_id(mig)
-        if ret != 0:
-            raise CtkError(f"error getting MIG device GPU Instance ID: {self._err(ret)}")
-        ci_id, ret = self.nvml.compute_instance_id(mig)
-        if ret != 0:
-            raise CtkError(f"error getting MIG device Compute Instance ID: {self._err(ret)}")
-        gi, ret = self.nvml.gpu_instance_by_id(parent, gi_id)
-        if ret != 0:
-            raise CtkError(f"error getting GPU Instance: {self._err(ret)}")
-        ci, ret = self.nvml.compute_instance_by_id(gi, ci_id)
-        if ret != 0:
-            raise CtkError(f"error getting Compute Instance: {self._err(ret)}")
-        gi_profile_id, ret = self.nvml.gpu_instance_profile_id(gi)
-        if ret != 0:
-            raise CtkError(f"error getting GPU Instance info: {self._err(ret)}")
-        ci_profile_id, ret = self.nvml.compute_instance_profile_id(ci)
-        if ret != 0:
-            raise CtkError(f"error getting Compute Instance info: {self._err(ret)}")
+        parent = self._answer(self.nvml.parent_of_mig(mig), "error getting parent device handle")
+        _ = self._answer(self.nvml.memory_total(parent), "error getting parent memory info")
+        _ = self._answer(self.nvml.attributes_memory_mb(mig), "error getting MIG device attributes")
+        gi_id = self._answer(self.nvml.gpu_instance_id(mig),
+                             "error getting MIG device GPU Instance ID")
+        ci_id = self._answer(self.nvml.compute_instance_id(mig),
+                             "error getting MIG device Compute Instance ID")
+        gi = self._answer(self.nvml.gpu_instance_by_id(parent, gi_id), "error getting GPU Instance")
+        ci = self._answer(self.nvml.compute_instance_by_id(gi, ci_id),
+                          "error getting Compute Instance")
+        gi_profile_id = self._answer(self.nvml.gpu_instance_profile_id(gi),
+                                     "error getting GPU Instance info")
+        ci_profile_id = self._answer(self.nvml.compute_instance_profile_id(ci),
+                                     "error getting Compute Instance info")
         for p in range(GPU_INSTANCE_PROFILE_COUNT):
             info_id, ret = self.nvml.gpu_instance_profile_info_id(parent, p)
             if ret in (ERROR_NOT_SUPPORTED, ERROR_INVALID_ARGUMENT):
