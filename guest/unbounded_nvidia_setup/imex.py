@@ -7,8 +7,9 @@ management mode only; its NVML mode, the default on every GPU node, lists them n
 GPUs and no channel. The channel nodes are added to `all` here, the way management mode
 writes them, with the major and minor of the node; their majors are checked against
 /proc/devices with every other NVIDIA node (devices.py) and each node named by the spec
-must be a character device (spec.py). A machine without the directory pays one failed
-scandir and its spec is nvidia-ctk's bytes untouched.
+must be a character device (spec.py). A machine without the directory pays one stat in
+cdi.py, which imports this module only when it exists, and its spec is nvidia-ctk's bytes
+untouched.
 """
 
 from __future__ import annotations
