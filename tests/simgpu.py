@@ -30,12 +30,20 @@ machine's own /, in a booted test machine), and answers from the machine's files
 product under ``--root <root>``, the nvidia-ctk stand-in and NVIDIA's real nvidia-ctk
 all read the same simulated machine, with no environment variable. Its GPUs answer
 while ``dev/nvidiactl`` is a character device and the kernel module lists them; a GPU
-is made to fall off the bus (``simnvml.lose_gpu``) or to run MIG (``simnvml.enable_mig``)
-in a file beside its information file that only the simulation writes (tests/simnvml.py
-changes what a made machine's GPUs say)::
+is made to fall off the bus (``simnvml.lose_gpu``), to fail otherwise
+(``simnvml.fail_gpu``) or to run MIG (``simnvml.enable_mig``) in a file beside its
+information file that only the simulation writes, and the machine's NVML reads the
+header's rules on which lookups such a GPU fails as ``simnvml.set_reading`` says
+(tests/simnvml.py changes what a made machine's GPUs say; the table is in simnvml.c)::
 
-    proc/driver/nvidia/gpus/<bus>/simulated-nvml   "lost", "mig", "mig-device <slot> <gi>
-                                  <ci> <gi profile> <ci profile> <MIG-uuid>" lines
+    proc/driver/nvidia/gpus/<bus>/simulated-nvml   "error <code>" (or "lost" = "error 15"),
+                                  "mig", "mig-device <slot> <gi> <ci> <gi profile>
+                                  <ci profile> <MIG-uuid>" lines
+    proc/driver/nvidia/simulated-nvml-reading      "target" (also when absent), "walk"
+                                  or "any"
+
+``simnvml.exclude_gpu`` marks a GPU excluded by the host (NVML skips it) and
+``simnvml.move_gpu_bus`` puts a GPU on another bus id (NVML index = bus order, not minor).
 
 MIG also writes what the kernel module has then: ``proc/driver/nvidia-caps/mig-minors``
 (read by nvidia-ctk from the HOST's absolute /proc: run it with the machine's
@@ -121,8 +129,8 @@ class SimMachine:
     hostile: list[str]  # names in lib_dir a correct tool must skip
     unrelated: list[str]  # unrelated names in lib_dir (libraries, links and other files)
     devices: list[str]  # names under dev/
-    # uuids of the GPUs the kernel module lists (NVML's), in NVML index order; a lost GPU
-    # (simnvml.lose_gpu) keeps its place
+    # uuids of the GPUs NVML enumerates, in NVML index order (bus id order; excluded GPUs
+    # left out); a failing GPU (simnvml.fail_gpu, lose_gpu) keeps its place
     nvml_gpus: list[str]
 
     multiarch: str = MULTIARCH

@@ -24,19 +24,53 @@
  *                               the kernel module's own file, one per GPU: "Model:",
  *                               "GPU UUID:", "Device Minor:" lines. NVML index = position
  *                               in bus id order.
- * Without both (nvidiactl and at least one GPU) every init answers 9, Driver Not Loaded,
- * as on a machine without a loaded module. Beside each information file, a file the real
- * module never writes, with this simulation's own state of that GPU (absent: healthy,
- * MIG off):
+ * Without both (nvidiactl and at least one GPU NVML enumerates) every init answers 9,
+ * Driver Not Loaded, as on a machine without a loaded module. An information file whose
+ * "GPU Excluded:" reads Yes (the host's NVreg_ExcludedGpus; its "GPU UUID:" then reads
+ * GPU-????????-????-????-????-????????????) is not enumerated: NVML's count and indices
+ * skip it, as the real library's do, though its /dev/nvidia<minor> stays. Beside each
+ * information file, a file the real module never writes, with this simulation's own
+ * state of that GPU (absent: healthy, MIG off):
  *   P/proc/driver/nvidia/gpus/<bus>/simulated-nvml, lines:
- *     lost                      the GPU fell off the bus (Xid 79): getting its handle
- *                               (by index, UUID or PCI bus id) answers 15, GPU is lost;
- *                               the device count still includes it
+ *     error <code>              getting a handle answers <code> (4 No Permission, 8
+ *                               Insufficient Power, 11 IRQ Issue, 15 GPU is lost, 999
+ *                               Unknown) for the lookups the reading below says; the
+ *                               device count still includes the GPU
+ *     lost                      the GPU fell off the bus (Xid 79): "error 15"
  *     mig                       MIG mode enabled (nvmlDeviceGetMigMode 1/1; else 0/0)
  *     mig-device <slot> <gi id> <ci id> <gi profile 0..17> <ci profile 0..8> <MIG-uuid>
  *                               a MIG device (compute instance) in slot 0..6 of the 7
  *                               (nvmlDeviceGetMaxMigDeviceCount); an empty slot answers
  *                               6, Not Found. Profile info ids equal the profile index.
+ *
+ * Which lookups a GPU's error fails: NVML's header (go-nvml's nvml.h) ties GPU_IS_LOST to
+ * "the target GPU" by index and by PCI bus id, but by UUID to "any GPU" ("NVML may
+ * initialize additional GPUs as it searches for the target GPU"), and INSUFFICIENT_POWER
+ * and IRQ_ISSUE to "any attached devices"/"the attached GPUs" even by index. No GPU here
+ * can say which reading real hardware follows, so the machine picks one, in a
+ * machine-wide file read at every first init like the per-GPU state:
+ *   P/proc/driver/nvidia/simulated-nvml-reading   one word (absent: target; a word not
+ *                                                 below: every init answers 999)
+ * E = the failing GPU's code; "first" = the lowest NVML index whose GPU has an error.
+ *
+ *   reading  lookup                       fails with
+ *   -------  ---------------------------  ----------------------------------------------
+ *   target   by index / PCI bus id        the target GPU's E (any code), else succeeds
+ *            by UUID (GPU or MIG)         the target GPU's E (a MIG device: its GPU's)
+ *   walk     any lookup, any GPU          8 or 11 of the first GPU with 8 or 11, if any
+ *            by index / PCI bus id        else the target GPU's E (4, 15, 999)
+ *            by UUID (GPU or MIG)         else E of the first GPU with an error at or
+ *                                         before the target's index (the search walks
+ *                                         GPUs 0, 1, ... up to the target); a UUID no GPU
+ *                                         has walks them all: first error, else 6
+ *   any      any lookup, any GPU          8 or 11 of the first GPU with 8 or 11, if any
+ *            by index / PCI bus id        else the target GPU's E (4, 15, 999)
+ *            by UUID (GPU or MIG)         else E of the first GPU with an error, whatever
+ *                                         the target; none: the target, or 6
+ *
+ * Lookups check their arguments first: a NULL pointer, an index >= count or a bus id that
+ * does not parse answer 2, Invalid Argument, in every reading; a bus id no GPU has answers
+ * 6, Not Found, unless an error above applies.
  *
  * Answers otherwise as NVML: 1 (Uninitialized) before init, nvmlErrorString's texts as
  * the real library's (Debian 550.163.01), nvmlSystemGetDriverVersion = the version suffix
@@ -66,9 +100,12 @@ enum {
     NVML_ERROR_UNINITIALIZED = 1,
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_IRQ_ISSUE = 11,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_UNKNOWN = 999,
 };
@@ -88,7 +125,8 @@ typedef struct nvmlDevice_st {
     char bus[32];                 /* the information file's directory: 0000:17:00.0 */
     unsigned domain, busnum, devnum, func;
     unsigned minor;
-    int lost, mig_enabled;
+    int error;                    /* the code its handle lookups answer; 0: healthy */
+    int mig_enabled;
     int present;                  /* MIG slot in use */
     unsigned gi, ci, gi_profile, ci_profile;
 } *nvmlDevice_t;
@@ -159,6 +197,8 @@ static struct nvmlDevice_st migs[MAX_GPUS][MAX_MIG];
 static struct nvmlGpuInstance_st gis[MAX_GPUS][MAX_MIG];
 static struct nvmlComputeInstance_st cis[MAX_GPUS][MAX_MIG];
 static unsigned gpu_count;
+enum reading { READ_TARGET, READ_WALK, READ_ANY };
+static enum reading reading;
 static int refcount;
 static int machine_fd = -1; /* O_PATH descriptor of P ("" -> "/") */
 static char own_path[PATH_MAX];
@@ -255,8 +295,11 @@ static void read_sim_state(nvmlDevice_t gpu, unsigned g)
          line = strtok_r(NULL, "\n", &save)) {
         unsigned slot, gi, ci, gip, cip;
         char uuid[96];
+        int code;
         if (strcmp(line, "lost") == 0) {
-            gpu->lost = 1;
+            gpu->error = NVML_ERROR_GPU_IS_LOST;
+        } else if (sscanf(line, "error %d", &code) == 1 && code > 0) {
+            gpu->error = code;
         } else if (strcmp(line, "mig") == 0) {
             gpu->mig_enabled = 1;
         } else if (sscanf(line, "mig-device %u %u %u %u %u %95s", &slot, &gi, &ci, &gip, &cip,
@@ -280,7 +323,28 @@ static void read_sim_state(nvmlDevice_t gpu, unsigned g)
         memset(migs[g], 0, sizeof migs[g]);
 }
 
-/* The machine's GPUs now; NVML_SUCCESS or NVML_ERROR_DRIVER_NOT_LOADED. */
+/* The machine's reading of the header (see the top); a word this file does not know
+ * fails init rather than pass for "target", so a typo in a test cannot weaken it. */
+static int read_reading(void)
+{
+    char text[64];
+    reading = READ_TARGET;
+    if (read_at("proc/driver/nvidia/simulated-nvml-reading", text, sizeof text) < 0)
+        return NVML_SUCCESS;
+    text[strcspn(text, " \t\r\n")] = '\0';
+    if (strcmp(text, "target") == 0)
+        reading = READ_TARGET;
+    else if (strcmp(text, "walk") == 0)
+        reading = READ_WALK;
+    else if (strcmp(text, "any") == 0)
+        reading = READ_ANY;
+    else
+        return NVML_ERROR_UNKNOWN;
+    return NVML_SUCCESS;
+}
+
+/* The machine's GPUs now; NVML_SUCCESS, NVML_ERROR_DRIVER_NOT_LOADED, or
+ * NVML_ERROR_UNKNOWN for a reading this file does not know. */
 static int load_machine(void)
 {
     struct stat st;
@@ -296,6 +360,8 @@ static int load_machine(void)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     if (fstatat(machine_fd, "dev/nvidiactl", &st, 0) != 0 || !S_ISCHR(st.st_mode))
         return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (read_reading() != NVML_SUCCESS)
+        return NVML_ERROR_UNKNOWN;
     int dfd = openat(machine_fd, "proc/driver/nvidia/gpus", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0)
         return NVML_ERROR_DRIVER_NOT_LOADED;
@@ -311,14 +377,17 @@ static int load_machine(void)
     closedir(dir);
     qsort(names, n, sizeof names[0], by_name);
     for (unsigned i = 0; i < n; i++) {
-        char path[PATH_MAX], text[8192], uuid[96], minor[32], model[96];
+        char path[PATH_MAX], text[8192], uuid[96], minor[32], model[96], excluded[16];
         snprintf(path, sizeof path, "proc/driver/nvidia/gpus/%s/information", names[i]);
         if (gpu_count < MAX_GPUS && strlen(names[i]) < sizeof gpus[0].bus &&
             read_at(path, text, sizeof text) >= 0) {
             field(text, "GPU UUID", uuid, sizeof uuid);
             field(text, "Device Minor", minor, sizeof minor);
             field(text, "Model", model, sizeof model);
-            if (strncmp(uuid, "GPU-", 4) == 0 && minor[0] && strspn(minor, "0123456789") == strlen(minor)) {
+            field(text, "GPU Excluded", excluded, sizeof excluded);
+            /* An excluded GPU's UUID line still starts with "GPU-" (question marks
+             * follow): the flag, not the UUID, is what keeps it out of NVML. */
+            if (strcasecmp(excluded, "Yes") != 0 && strncmp(uuid, "GPU-", 4) == 0 && minor[0] && strspn(minor, "0123456789") == strlen(minor)) {
                 nvmlDevice_t gpu = &gpus[gpu_count];
                 gpu->index = gpu_count;
                 snprintf(gpu->uuid, sizeof gpu->uuid, "%s", uuid);
@@ -476,13 +545,34 @@ NVML_API int nvmlDeviceGetCount_v2(unsigned int *count)
 
 NVML_API int nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
 
+/* The code every lookup answers in walk and any: the first GPU's with 8 or 11 (the
+ * header's "any attached devices"); 0 where none has one or in target. */
+static int machine_error(void)
+{
+    if (reading == READ_TARGET)
+        return NVML_SUCCESS;
+    for (unsigned g = 0; g < gpu_count; g++) {
+        if (gpus[g].error == NVML_ERROR_INSUFFICIENT_POWER || gpus[g].error == NVML_ERROR_IRQ_ISSUE)
+            return gpus[g].error;
+    }
+    return NVML_SUCCESS;
+}
+
+/* What a lookup of GPU g by index or by PCI bus id answers (see the top's table). */
+static int target_error(unsigned g)
+{
+    int ret = machine_error();
+    return ret != NVML_SUCCESS ? ret : gpus[g].error;
+}
+
 NVML_API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
     NEEDS_INIT();
     if (device == NULL || index >= gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (gpus[index].lost)
-        return NVML_ERROR_GPU_IS_LOST;
+    int ret = target_error(index);
+    if (ret != NVML_SUCCESS)
+        return ret;
     *device = &gpus[index];
     return NVML_SUCCESS;
 }
@@ -492,25 +582,43 @@ NVML_API int nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device
     return nvmlDeviceGetHandleByIndex_v2(index, device);
 }
 
+/* GPU g itself, or its MIG device with this uuid; NULL when neither has it. */
+static nvmlDevice_t uuid_on(unsigned g, const char *uuid)
+{
+    if (strcmp(gpus[g].uuid, uuid) == 0)
+        return &gpus[g];
+    for (unsigned j = 0; j < MAX_MIG; j++) {
+        if (migs[g][j].present && strcmp(migs[g][j].uuid, uuid) == 0)
+            return &migs[g][j];
+    }
+    return NULL;
+}
+
 NVML_API int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
     NEEDS_INIT();
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned g = 0; g < gpu_count; g++) {
-        if (strcmp(gpus[g].uuid, uuid) == 0) {
-            if (gpus[g].lost)
-                return NVML_ERROR_GPU_IS_LOST;
-            *device = &gpus[g];
-            return NVML_SUCCESS;
+    int ret = machine_error();
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (reading == READ_ANY) {
+        for (unsigned g = 0; g < gpu_count; g++) {
+            if (gpus[g].error != NVML_SUCCESS)
+                return gpus[g].error;
         }
-        for (unsigned j = 0; j < MAX_MIG; j++) {
-            if (migs[g][j].present && strcmp(migs[g][j].uuid, uuid) == 0) {
-                if (gpus[g].lost)
-                    return NVML_ERROR_GPU_IS_LOST;
-                *device = &migs[g][j];
-                return NVML_SUCCESS;
-            }
+    }
+    /* walk: the search initialises GPUs in index order and stops at the first that
+     * fails, before it could reach a target further on. */
+    for (unsigned g = 0; g < gpu_count; g++) {
+        if (reading == READ_WALK && gpus[g].error != NVML_SUCCESS)
+            return gpus[g].error;
+        nvmlDevice_t found = uuid_on(g, uuid);
+        if (found != NULL) {
+            if (gpus[g].error != NVML_SUCCESS)
+                return gpus[g].error;
+            *device = found;
+            return NVML_SUCCESS;
         }
     }
     return NVML_ERROR_NOT_FOUND;
@@ -531,11 +639,14 @@ NVML_API int nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t
     NEEDS_INIT();
     if (pciBusId == NULL || device == NULL || !parse_bus(pciBusId, &dom, &bus, &dev, &fn))
         return NVML_ERROR_INVALID_ARGUMENT;
+    int ret = machine_error();
+    if (ret != NVML_SUCCESS)
+        return ret;
     for (unsigned g = 0; g < gpu_count; g++) {
         nvmlDevice_t gpu = &gpus[g];
         if (gpu->domain == dom && gpu->busnum == bus && gpu->devnum == dev && gpu->func == fn) {
-            if (gpu->lost)
-                return NVML_ERROR_GPU_IS_LOST;
+            if (gpu->error != NVML_SUCCESS)
+                return gpu->error;
             *device = gpu;
             return NVML_SUCCESS;
         }

@@ -1,12 +1,19 @@
 """The GPUs of a simulated machine as the kernel module lists them and as the simulated
 NVML (tests/simnvml.c, which the nvidia-ctk stand-in and NVIDIA's nvidia-ctk both load)
-answers for them: GPUs arriving, a GPU fallen off the bus, an NVML that answers for none,
-MIG devices with their caps nodes, IMEX channels. tests/simgpu.py builds the machine;
-this module changes what its GPUs say.
+answers for them: GPUs arriving, a GPU fallen off the bus or failing otherwise, GPUs the
+host excludes, bus ids out of minor order, an NVML that answers for none, MIG devices
+with their caps nodes, IMEX channels. tests/simgpu.py builds the machine; this module
+changes what its GPUs say.
 
 The simulated NVML reads, for each GPU, the module's own
 ``proc/driver/nvidia/gpus/<bus id>/information`` and, beside it, a ``simulated-nvml``
-file of its own state (``lost``, ``mig``, ``mig-device ...``; tests/simnvml.c)."""
+file of its own state (``error <code>``, ``lost``, ``mig``, ``mig-device ...``), and the
+machine-wide ``proc/driver/nvidia/simulated-nvml-reading`` (``target``, ``walk``,
+``any``: how strictly it reads NVML's header on which lookups a GPU's error fails; the
+table is in tests/simnvml.c). ``SimMachine.nvml_gpus`` stays the GPUs' uuids in NVML
+index order (bus id order, excluded GPUs left out) after every change made here; where a
+test moves a GPU's bus id (:func:`move_gpu_bus`), index and minor differ and
+:func:`gpu_bus_id` no longer names its bus: ask :func:`bus_of` and :func:`nvml_index`."""
 
 from __future__ import annotations
 
@@ -21,6 +28,15 @@ if TYPE_CHECKING:
     from simgpu import SimMachine
 
 GPUS_DIR = Path("proc/driver/nvidia/gpus")
+READING_FILE = Path("proc/driver/nvidia/simulated-nvml-reading")
+READINGS = ("target", "walk", "any")
+# What NVML's lookups may answer for one GPU (nvml.h): No Permission, Insufficient
+# (external) Power, IRQ Issue, GPU is lost, Unknown.
+ERROR_CODES = (4, 8, 11, 15, 999)
+GPU_IS_LOST = 15
+EXCLUDED_UUID = "GPU-????????-????-????-????-????????????"
+
+
 def gpu_bus_id(minor: int) -> str:
     """The PCI bus id of the GPU at /dev/nvidia<minor> (its information file's directory;
     NVML says it with an 8-digit domain). None of them is a PCI device of this host, so
@@ -67,7 +83,7 @@ def add_gpu(m: SimMachine, minor: int) -> str:
     uuid = gpu_uuid(minor)
     if m.nvml_gpus:
         add_gpu_information(m.root, minor, m.version)
-        m.nvml_gpus.append(uuid)
+        _reorder(m)
     return uuid
 
 
@@ -119,18 +135,115 @@ def _write_state(m: SimMachine, minor: int, lines: list[str]) -> None:
         path.unlink()
 
 
+def _information(path: Path) -> dict[str, str]:
+    """An information file's fields, trimmed."""
+    fields = {}
+    for line in path.read_text(errors="replace").splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def _reorder(m: SimMachine) -> None:
+    """``m.nvml_gpus`` from the information files, as tests/simnvml.c enumerates them:
+    bus id order, excluded GPUs left out."""
+    top = m.root / GPUS_DIR
+    uuids = []
+    for info in sorted(top.glob("*/information")):
+        fields = _information(info)
+        if fields.get("GPU Excluded", "").lower() != "yes":
+            uuids.append(fields.get("GPU UUID", ""))
+    m.nvml_gpus[:] = uuids
+
+
+def bus_of(m: SimMachine, minor: int) -> str:
+    """The PCI bus id of the GPU at /dev/nvidia<minor> as the machine lists it now (its
+    information file's directory, ``0000:17:00.0``; NVML says it with 8 domain digits)."""
+    return _gpu_dir(m, minor).name
+
+
+def nvml_index(m: SimMachine, minor: int) -> int:
+    """The NVML index of the GPU at /dev/nvidia<minor> (its place in bus id order among
+    the GPUs NVML enumerates). ValueError for an excluded GPU."""
+    uuid = _information(_gpu_dir(m, minor) / "information").get("GPU UUID", "")
+    return m.nvml_gpus.index(uuid)
+
+
+def set_reading(m: SimMachine, reading: str) -> None:
+    """How strictly the machine's NVML reads its header (one of READINGS; the table of
+    which lookups fail with which code is in tests/simnvml.c): ``target``, a GPU's error
+    fails only lookups of that GPU; ``walk``, a lookup by UUID also fails at an erring GPU
+    met before its target in index order; ``any``, a lookup by UUID fails while any GPU
+    errs. In ``walk`` and ``any`` a GPU answering 8 or 11 fails every lookup. Read at the
+    next first init, as a real machine's state is."""
+    if reading not in READINGS:
+        raise ValueError(f"reading {reading!r}: the simulated NVML knows {READINGS}")
+    path = m.root / READING_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{reading}\n")
+
+
+def fail_gpu(m: SimMachine, minor: int, code: int) -> None:
+    """Getting the handle of the GPU at /dev/nvidia<minor> answers ``code`` (one of
+    ERROR_CODES) for the lookups the machine's reading says (:func:`set_reading`); NVML
+    still counts it, its node and information file stay. Replaces an earlier error."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"NVML code {code}: a GPU's lookups fail with one of {ERROR_CODES}")
+    lines = [line for line in _state_lines(m, minor) if not _is_error(line)]
+    _write_state(m, minor, [f"error {code}", *lines])
+
+
+def _is_error(line: str) -> bool:
+    return line == "lost" or line.startswith("error ")
+
+
 def lose_gpu(m: SimMachine, minor: int) -> None:
     """The GPU at /dev/nvidia<minor> falls off the bus (Xid 79): NVML answers 15, GPU is
-    lost, for its handle (by index, UUID or PCI bus id) while still counting it, so
-    nvidia-ctk's NVML mode fails at its index. Its node and information file stay."""
-    lines = _state_lines(m, minor)
-    if "lost" not in lines:
-        _write_state(m, minor, ["lost", *lines])
+    lost, for its handle (and, in the ``walk`` and ``any`` readings, for other lookups
+    by UUID) while still counting it, so nvidia-ctk's NVML mode fails at its index. Its
+    node and information file stay."""
+    fail_gpu(m, minor, GPU_IS_LOST)
 
 
 def recover_gpu(m: SimMachine, minor: int) -> None:
-    """The lost GPU at /dev/nvidia<minor> is back (reset): NVML answers for it again."""
-    _write_state(m, minor, [line for line in _state_lines(m, minor) if line != "lost"])
+    """The GPU at /dev/nvidia<minor> is back (reset): whatever error it had, NVML answers
+    for it again."""
+    _write_state(m, minor, [line for line in _state_lines(m, minor) if not _is_error(line)])
+
+
+def exclude_gpu(m: SimMachine, minor: int) -> None:
+    """The host excludes the GPU at /dev/nvidia<minor> (``NVreg_ExcludedGpus``): the
+    module still lists it, with ``GPU Excluded: Yes`` and an uninitialised UUID, and NVML
+    no longer enumerates it (the indices after it shift down). Its /dev node stays: the
+    host binds every /dev/nvidia* into the machine."""
+    info = _gpu_dir(m, minor) / "information"
+    lines = []
+    for line in info.read_text().splitlines():
+        key = line.partition(":")[0]
+        if key == "GPU UUID":
+            line = f"GPU UUID: \t {EXCLUDED_UUID}"
+        elif key == "GPU Excluded":
+            line = "GPU Excluded:\t Yes"
+        lines.append(line)
+    info.write_text("".join(f"{line}\n" for line in lines))
+    _reorder(m)
+
+
+def move_gpu_bus(m: SimMachine, minor: int, bus_id: str) -> None:
+    """The GPU at /dev/nvidia<minor> sits at PCI ``bus_id`` (``0000:9a:00.0``, lower case
+    as the module writes it): NVML orders GPUs by bus id, so its index no longer follows
+    its minor. Its information file and simulated state move with it."""
+    old = _gpu_dir(m, minor)
+    new = old.parent / bus_id
+    if new.exists():
+        raise FileExistsError(f"{new}: another GPU is at {bus_id}")
+    old.rename(new)
+    info = new / "information"
+    info.write_text("".join(
+        f"Bus Location: \t {bus_id}\n" if line.partition(":")[0] == "Bus Location"
+        else f"{line}\n" for line in info.read_text().splitlines()))
+    _reorder(m)
 
 
 def _proc_devices_major(m: SimMachine, name: str, default: int) -> int:
