@@ -1,0 +1,261 @@
+"""The simulated NVML (tests/simnvml.c) speaks as NVML's header reads, at each strictness.
+
+No GPU here can say whether a real NVML's lookup by UUID fails for the target alone or for
+any GPU it meets (FACTS.md, "NVML's documented semantics for a lost GPU"), so a machine
+picks a reading (simnvml.set_reading) and the product must hold under each. These tests
+load the library with ctypes, as go-nvml calls it, and pin, per reading and per code,
+which lookups fail with which code; then they run nvidia-ctk (the stand-in, and NVIDIA's
+real one in real-tool mode) to show what each reading does to a generate that asks for a
+healthy GPU by UUID. Also: host-excluded GPUs are not enumerated, and NVML's index order
+is bus order, not minor order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_fake_nvidia_ctk import TOOLS, clean_env, last_error, load
+
+import simgpu
+import simnvml
+from conftest import needs_root
+
+pytestmark = needs_root
+
+SUCCESS, NOT_FOUND, UNKNOWN = 0, 6, 999
+MACHINE_WIDE = (8, 11)  # the header's "any attached devices" / "the attached GPUs"
+TEXTS = {4: "Insufficient Permissions", 8: "Insufficient External Power",
+         11: "Interrupt Request Issue", 15: "GPU is lost", 999: "Unknown Error"}
+FAILING = 2  # of GPUs 0..3 (minor = index on these machines unless a test moves a bus)
+MIG_PLACEMENT = [(1, 0, 3, 3)]  # one 4g MIG device (gi 1, ci 0, profiles 3/3)
+
+
+class Nvml:
+    """The machine's simulated libnvidia-ml, loaded from its staging, initialised."""
+
+    def __init__(self, m: simgpu.SimMachine) -> None:
+        self.lib: Any = ctypes.CDLL(str(m.lib_dir / "libnvidia-ml.so.1"))
+        self.lib.nvmlErrorString.restype = ctypes.c_char_p
+        self.init()
+
+    def init(self) -> None:
+        assert self.lib.nvmlInit_v2() == SUCCESS
+
+    def restart(self) -> None:
+        """Shut down and init again: the machine's state is read at a first init."""
+        assert self.lib.nvmlShutdown() == SUCCESS
+        self.init()
+
+    def count(self) -> int:
+        count = ctypes.c_uint()
+        assert self.lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == SUCCESS
+        return count.value
+
+    def by_index(self, index: int) -> int:
+        handle = ctypes.c_void_p()
+        return int(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)))
+
+    def by_uuid(self, uuid: str) -> int:
+        handle = ctypes.c_void_p()
+        return int(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)))
+
+    def by_bus(self, bus: str) -> int:
+        handle = ctypes.c_void_p()
+        return int(self.lib.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)))
+
+    def gpu(self, index: int) -> tuple[str, int]:
+        """(uuid, minor) of the GPU at an NVML index."""
+        handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+        buf = ctypes.create_string_buffer(96)
+        assert self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == SUCCESS
+        assert self.lib.nvmlDeviceGetUUID(handle, buf, 96) == SUCCESS
+        assert self.lib.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) == SUCCESS
+        return buf.value.decode(), minor.value
+
+
+def four_gpus(tmp_path: Path) -> simgpu.SimMachine:
+    m = simgpu.make_machine(tmp_path / "root", unrelated=0, toolkit_libs=False,
+                            helpers=False, firmware=False)
+    for minor in (2, 3):
+        simnvml.add_gpu(m, minor)
+    assert len(m.nvml_gpus) == 4
+    return m
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> simgpu.SimMachine:
+    return four_gpus(tmp_path)
+
+
+def nvml_bus(m: simgpu.SimMachine, minor: int) -> str:
+    """The GPU's bus id as NVML writes it (8 domain digits)."""
+    return "0000" + simnvml.bus_of(m, minor)
+
+
+@pytest.mark.parametrize("code", simnvml.ERROR_CODES)
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_which_lookups_a_failing_gpu_fails(machine: simgpu.SimMachine, reading: str,
+                                           code: int) -> None:
+    """GPU 2 of 0..3 fails with ``code``. By index and by PCI bus id only GPU 2 fails,
+    except that in walk and any a code of 8 or 11 fails every lookup; by UUID, target
+    fails GPU 2 alone, walk every GPU from 2 on (the search meets GPU 2 first), any every
+    GPU; a UUID no GPU has walks past GPU 2 in walk and any (its code) and is 6 in
+    target. A MIG device's UUID is looked up like its GPU's. The count keeps GPU 2."""
+    m = machine
+    migs = {minor: simnvml.enable_mig(m, minor, MIG_PLACEMENT)[0] for minor in (1, 3)}
+    simnvml.set_reading(m, reading)
+    simnvml.fail_gpu(m, FAILING, code)
+    nvml = Nvml(m)
+    everywhere = reading != "target" and code in MACHINE_WIDE
+    fails_target = [code if everywhere or i == FAILING else SUCCESS for i in range(4)]
+    fails_uuid = {
+        "target": fails_target,
+        "walk": [code if everywhere or i >= FAILING else SUCCESS for i in range(4)],
+        "any": [code] * 4,
+    }[reading]
+    assert nvml.count() == 4
+    assert [nvml.by_index(i) for i in range(4)] == fails_target
+    assert [nvml.by_bus(nvml_bus(m, i)) for i in range(4)] == fails_target
+    assert [nvml.by_uuid(u) for u in m.nvml_gpus] == fails_uuid
+    assert [nvml.by_uuid(migs[i]) for i in (1, 3)] == [fails_uuid[1], fails_uuid[3]]
+    unknown = "GPU-00000000-0000-0000-0000-000000000000"
+    assert nvml.by_uuid(unknown) == (NOT_FOUND if reading == "target" else code)
+    assert nvml.by_bus("0000:ee:00.0") == (code if everywhere else NOT_FOUND)
+    assert nvml.lib.nvmlErrorString(code).decode() == TEXTS[code]
+
+
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_the_first_failing_gpu_in_index_order_speaks(machine: simgpu.SimMachine,
+                                                     reading: str) -> None:
+    """Two failing GPUs, 1 (4) and 3 (15): a walk by UUID stops at the first it meets, so
+    GPU 3's UUID answers GPU 1's 4; any answers 4 for every UUID. A third GPU with 8 on
+    the bus makes walk and any answer 8 for every lookup, before either."""
+    m = machine
+    simnvml.set_reading(m, reading)
+    simnvml.fail_gpu(m, 1, 4)
+    simnvml.fail_gpu(m, 3, 15)
+    nvml = Nvml(m)
+    by_uuid = {"target": [0, 4, 0, 15], "walk": [0, 4, 4, 4], "any": [4, 4, 4, 4]}[reading]
+    assert [nvml.by_uuid(u) for u in m.nvml_gpus] == by_uuid
+    assert [nvml.by_index(i) for i in range(4)] == [0, 4, 0, 15]
+    simnvml.fail_gpu(m, 2, 8)
+    nvml.restart()
+    if reading == "target":
+        assert [nvml.by_index(i) for i in range(4)] == [0, 4, 8, 15]
+        assert [nvml.by_uuid(u) for u in m.nvml_gpus] == [0, 4, 8, 15]
+    else:
+        assert [nvml.by_index(i) for i in range(4)] == [8] * 4
+        assert [nvml.by_uuid(u) for u in m.nvml_gpus] == [8] * 4
+
+
+def test_lost_recover_and_reading_are_read_at_a_first_init(machine: simgpu.SimMachine) -> None:
+    """``lost`` still means 15; a change shows at the next first init, not before; a
+    recovered GPU answers again; a reading the library does not know fails init (999)
+    rather than pass for target."""
+    m = machine
+    (simnvml._gpu_dir(m, 1) / simnvml.SIM_STATE).write_text("lost\n")
+    nvml = Nvml(m)
+    assert nvml.by_index(1) == 15 and nvml.by_uuid(m.nvml_gpus[3]) == SUCCESS
+    simnvml.set_reading(m, "any")
+    assert nvml.by_uuid(m.nvml_gpus[3]) == SUCCESS  # still initialised: old state
+    nvml.restart()
+    assert nvml.by_uuid(m.nvml_gpus[3]) == 15
+    simnvml.recover_gpu(m, 1)
+    nvml.restart()
+    assert [nvml.by_uuid(u) for u in m.nvml_gpus] == [SUCCESS] * 4
+    assert nvml.lib.nvmlShutdown() == SUCCESS
+    (m.root / simnvml.READING_FILE).write_text("strict\n")
+    assert nvml.lib.nvmlInit_v2() == UNKNOWN
+    with pytest.raises(ValueError):
+        simnvml.set_reading(m, "strict")
+    with pytest.raises(ValueError):
+        simnvml.fail_gpu(m, 1, 9)
+
+
+def test_an_excluded_gpu_is_not_enumerated(machine: simgpu.SimMachine) -> None:
+    """NVreg_ExcludedGpus: the module lists GPU 1 as excluded, with an uninitialised
+    UUID; NVML counts three GPUs and index 1 is the GPU at minor 2. Its node stays."""
+    m = machine
+    excluded_uuid = m.nvml_gpus[1]
+    simnvml.exclude_gpu(m, 1)
+    info = (simnvml._gpu_dir(m, 1) / "information").read_text()
+    assert "GPU Excluded:\t Yes\n" in info and simnvml.EXCLUDED_UUID in info
+    assert excluded_uuid not in m.nvml_gpus and len(m.nvml_gpus) == 3
+    assert (m.root / "dev" / "nvidia1").is_char_device()
+    nvml = Nvml(m)
+    assert nvml.count() == 3
+    assert [nvml.gpu(i) for i in range(3)] == list(zip(m.nvml_gpus, (0, 2, 3), strict=True))
+    assert nvml.by_index(3) == 2  # invalid argument: past the count
+    assert nvml.by_uuid(excluded_uuid) == NOT_FOUND
+    assert nvml.by_bus(nvml_bus(m, 1)) == NOT_FOUND
+    assert [simnvml.nvml_index(m, minor) for minor in (0, 2, 3)] == [0, 1, 2]
+
+
+def test_index_order_is_bus_order_not_minor_order(machine: simgpu.SimMachine) -> None:
+    """Minor 0 on bus 9a, minor 3 on bus 07: NVML's indices follow the bus ids, so index 0
+    is minor 3 and index 3 is minor 0; nvml_gpus follows, and a lookup by bus id finds
+    each GPU on its new bus."""
+    m = machine
+    simnvml.move_gpu_bus(m, 0, "0000:9a:00.0")
+    simnvml.move_gpu_bus(m, 3, "0000:07:00.0")
+    nvml = Nvml(m)
+    assert [minor for _, minor in (nvml.gpu(i) for i in range(4))] == [3, 1, 2, 0]
+    assert [uuid for uuid, _ in (nvml.gpu(i) for i in range(4))] == m.nvml_gpus
+    assert [simnvml.nvml_index(m, minor) for minor in range(4)] == [3, 1, 2, 0]
+    assert simnvml.bus_of(m, 0) == "0000:9a:00.0"
+    assert nvml.by_bus("00000000:9A:00.0") == SUCCESS
+    assert nvml.by_bus(simnvml.gpu_bus_id(0)) == NOT_FOUND
+    with pytest.raises(FileExistsError):
+        simnvml.move_gpu_bus(m, 1, "0000:9a:00.0")
+
+
+# ------------------------------------------------- nvidia-ctk against each reading
+
+GENERATORS = ("failed to generate CDI spec: failed to create device CDI specs: failed to "
+              "construct device spec generators: ")
+
+
+@pytest.fixture(params=TOOLS)
+def nvidia_ctk(request: pytest.FixtureRequest) -> Path:
+    tool: Path = request.param
+    return tool
+
+
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_nvidia_ctk_asks_for_a_healthy_gpu_after_a_lost_one(
+        tmp_path: Path, nvidia_ctk: Path, reading: str) -> None:
+    """nvidia-ctk 1.20 looks every --device-id up by UUID: asked for GPU 2 by its UUID
+    while GPU 1 is lost, it succeeds in target and fails in walk and any, with NVML's
+    text for 15; asked for GPU 0 (before the lost one), only any fails."""
+    m = four_gpus(tmp_path)
+    shutil.copytree(m.lib_dir, m.driver_lib_dir, symlinks=True)
+    simnvml.set_reading(m, reading)
+    simnvml.lose_gpu(m, 1)
+    out = tmp_path / "out" / "nvidia.yaml"
+
+    def generate(uuid: str) -> subprocess.CompletedProcess[str]:
+        if out.exists():
+            out.unlink()
+        argv = [str(nvidia_ctk), "cdi", "generate", f"--driver-root={m.driver_root}",
+                f"--dev-root={m.root}", f"--output={out}", f"--device-id={uuid}"]
+        return subprocess.run(argv, env=clean_env(), capture_output=True, text=True,
+                              timeout=60, check=False)
+
+    for index, fails in ((2, reading != "target"), (0, reading == "any")):
+        uuid = m.nvml_gpus[index]
+        result = generate(uuid)
+        if fails:
+            assert result.returncode == 1, result.stderr
+            assert last_error(result) == (GENERATORS + "failed to get device handle from "
+                                          "UUID: GPU is lost")
+            assert not out.exists()
+        else:
+            assert result.returncode == 0, result.stderr
+            devices = {d["name"] for d in load(out)["devices"]}
+            assert devices == {str(index), uuid, "all"}, devices
