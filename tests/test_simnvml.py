@@ -259,3 +259,49 @@ def test_nvidia_ctk_asks_for_a_healthy_gpu_after_a_lost_one(
             assert result.returncode == 0, result.stderr
             devices = {d["name"] for d in load(out)["devices"]}
             assert devices == {str(index), uuid, "all"}, devices
+
+
+@pytest.mark.parametrize("code", (4, 8))
+def test_nvidia_ctk_device_ids_in_a_walk(tmp_path: Path, nvidia_ctk: Path, code: int) -> None:
+    """What each kind of --device-id meets in the walk reading, GPU 1 failing with
+    ``code`` and GPU 3 in MIG mode: `all` stops at index 1 (VisitDevices by index); an
+    index or a MIG ``i:j`` becomes a UUID first, then is looked up by UUID, so GPU 2 and
+    MIG device 3:0 fail there while GPU 0 passes; with 8 (any attached device) even the
+    index lookup that turns 0 into a UUID fails. The stand-in's texts are 1.20's."""
+    m = four_gpus(tmp_path)
+    shutil.copytree(m.lib_dir, m.driver_lib_dir, symlinks=True)
+    simnvml.enable_mig(m, 3, MIG_PLACEMENT)
+    simnvml.set_reading(m, "walk")
+    simnvml.fail_gpu(m, 1, code)
+    text = TEXTS[code]
+    out = tmp_path / "out" / "nvidia.yaml"
+
+    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = [str(nvidia_ctk), "cdi", "generate", f"--driver-root={m.driver_root}",
+                f"--dev-root={m.root}", f"--output={out}", *extra]
+        return subprocess.run(argv, env=clean_env(), capture_output=True, text=True,
+                              timeout=60, check=False)
+
+    first = "0" if code in MACHINE_WIDE else "1"
+    expected = {
+        (): f"failed to get full GPU device editors: error getting device handle for index "
+            f"'{first}': {text}",
+        ("--device-id=2",): f"failed to get device handle from UUID: {text}",
+        ("--device-id=3:0",): f"failed to get device handle from UUID: {text}",
+    }
+    if code in MACHINE_WIDE:
+        expected = {
+            **expected,
+            ("--device-id=2",): f"failed to get device handle from index: {text}",
+            ("--device-id=3:0",): f"failed to get parent device handle: {text}",
+            ("--device-id=0",): f"failed to get device handle from index: {text}",
+        }
+    for extra, error in expected.items():
+        result = generate(*extra)
+        assert result.returncode == 1, (extra, result.stderr)
+        assert last_error(result) == GENERATORS + error, extra
+        assert not out.exists()
+    if code not in MACHINE_WIDE:
+        result = generate("--device-id=0")
+        assert result.returncode == 0, result.stderr
+        assert {d["name"] for d in load(out)["devices"]} == {"0", m.nvml_gpus[0], "all"}
