@@ -16,7 +16,7 @@ from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems
 
 if TYPE_CHECKING:
-    from .gpus import KernelGpu
+    from .gpus import Assessment
 from .tree import remove_tree
 
 # Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
@@ -42,37 +42,36 @@ def parse_version(exe: str, result: Result) -> Ctk:
 
 
 def generate_argv(machine: Machine, ctk: Ctk, output: Path,
-                  device_ids: list[str] | None = None) -> list[str]:
+                  device_ids: list[str] | None = None, mode: str | None = None) -> list[str]:
     argv = [ctk.exe, "cdi", "generate", f"--driver-root={machine.driver_root}",
             f"--dev-root={machine.root}", "--format=yaml", f"--output={output}"]
     if ctk.version >= HOOKS_SINCE:
         argv += HOOK_FLAGS
     if device_ids is not None:
         argv.append(f"--device-id={','.join(device_ids)}")
+    if mode is not None:
+        argv.append(f"--mode={mode}")
     return argv + list(machine.config.nvidia_ctk_args)
 
 
-# nvidia-ctk 1.20's NVML mode on a GPU that fell off the bus (FACTS.md): the enumeration
-# of `all` stops at the first lost GPU, naming its index; a GPU asked for by UUID or MIG
-# index (`--device-id`) says only that it is lost.
-# Compiled only when a generate failed: a healthy boot pays nothing for it.
-_LOST_AT = r"error getting device handle for index '(\d+)': GPU is lost"
-_LOST = "GPU is lost"
-_DEVICE_ID_FLAGS = ("--device-id", "--device-ids", "--device", "--devices")
+# nvidia-ctk 1.20's NVML mode when NVML cannot use a GPU (FACTS.md): the enumeration of
+# `all` stops at the first GPU whose handle fails ("error getting device handle for index
+# 'N': GPU is lost"), a `--device-id` looked up by UUID fails with "failed to get device
+# handle from UUID: ...". Only such a failure makes the run ask NVML itself (nvml.py).
+_DEVICE_FAILURES = ("device handle", "GPU is lost", "Unknown Error", "Insufficient Permissions",
+                    "Insufficient External Power", "Interrupt Request Issue")
+_CHOOSING_FLAGS = ("--device-id", "--device-ids", "--device", "--devices", "--mode")
 
 
-def lost_index(result: Result) -> int | None:
-    """The index of the lost GPU that failed an NVML-mode generate, if that is why."""
-    if result.ok:
-        return None
-    m = re.search(_LOST_AT, result.stderr)
-    return int(m.group(1)) if m else None
+def device_failure(result: Result) -> bool:
+    """nvidia-ctk failed on a GPU's NVML handle, not on the root or its own flags."""
+    return not result.ok and any(word in result.stderr for word in _DEVICE_FAILURES)
 
 
-def selects_devices(args: tuple[str, ...]) -> bool:
-    """The config's nvidia_ctk_args choose the devices themselves: a lost GPU is then
-    theirs to leave out."""
-    return any(a.split("=", 1)[0] in _DEVICE_ID_FLAGS for a in args)
+def chooses_devices(args: tuple[str, ...]) -> bool:
+    """The config's nvidia_ctk_args choose the devices or the mode themselves: a GPU
+    NVML cannot use is then theirs to leave out."""
+    return any(a.split("=", 1)[0] in _CHOOSING_FLAGS for a in args)
 
 
 class Generator:
@@ -102,10 +101,11 @@ class Generator:
             die(f"cannot create {self.work}: {e.strerror}", hint="/run must be writable for root")
         self.running: list[Started] = []
         self.early: Started | None = None
-        # The GPUs NVML reported lost, left out of the spec (_serve_healthy), and how many
-        # the machine's module lists.
-        self.lost: list[KernelGpu] = []
-        self.gpu_count = 0
+        # The node's GPUs as NVML answered by index, when a GPU failed the generate
+        # (_degrade); None on a healthy node. `narrow_to`: the device nodes management
+        # mode's spec is cut down to (narrow.py), when the spec came from it.
+        self.assessment: Assessment | None = None
+        self.narrow_to: tuple[set[int], set[int]] | None = None
         if machine.driver_root.is_dir() and not machine.driver_root.is_symlink():
             self.early = self._generate()
 
@@ -119,9 +119,10 @@ class Generator:
         self.running.append(started)
         return started
 
-    def _generate(self, device_ids: list[str] | None = None) -> Started:
+    def _generate(self, device_ids: list[str] | None = None,
+                  mode: str | None = None) -> Started:
         return self._start(generate_argv(self.machine, self.ctk, self.work / "nvidia.yaml",
-                                         device_ids))
+                                         device_ids, mode))
 
     def version(self) -> Ctk:
         """nvidia-ctk as `--version` describes it."""
@@ -133,13 +134,17 @@ class Generator:
             self.early.kill()
             self.early = None
 
-    def spec(self, driver_version: str, helpers: tuple[str, ...]) -> bytes:
-        """A validated spec for the live driver root."""
-        result = (self.early or self._generate()).wait()
+    def spec(self, driver_version: str, helpers: tuple[str, ...]) -> bytes | None:
+        """A validated spec for the live driver root; None when NVML can use no GPU of
+        the node (`assessment` says why): then no spec may be installed."""
+        result: Result | None = (self.early or self._generate()).wait()
         self.early = None
-        index = lost_index(result)
-        if index is not None:
-            result = self._serve_healthy(result, index)
+        if (result is not None and device_failure(result)
+                and not chooses_devices(self.machine.config.nvidia_ctk_args)):
+            result = self._degrade(result)
+            if result is None:
+                return None
+        assert result is not None
         if not result.ok and self.ctk.version >= HOOKS_SINCE:
             ctk = self.version()
             if ctk.version < HOOKS_SINCE:
@@ -151,55 +156,103 @@ class Generator:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
                 hint="the previous driver root and spec were kept; its errors and warnings "
                      "are in the journal above this line")
-        output = self.work / "nvidia.yaml"
-        try:
-            data = output.read_bytes()
-        except OSError:
-            die(f"nvidia-ctk cdi generate wrote no spec at {output}",
-                hint="check the nvidia_ctk_args in the config")
-        # imex.py and gpus.py are imported only where they work: a module costs every
-        # boot about 5M instructions to import (docs/performance.md).
+        data = self._output()
+        if self.narrow_to is not None:
+            data = self._narrowed(data, *self.narrow_to)
+        # imex.py is imported only where it works: a module costs every boot about 5M
+        # instructions to import (docs/performance.md).
         if os.path.isdir(self.machine.at(IMEX_CHANNELS_DIR)):
             from . import imex
 
             data = imex.with_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
+        if self.assessment is not None:
+            self._check_served(data)
         return data
 
-    def _serve_healthy(self, failed: Result, index: int) -> Result:
-        """A lost GPU degrades the node, it never darkens it (DESIGN, 2026-12-04): ask
-        nvidia-ctk again for the healthy GPUs only. Only a lost GPU costs this second
-        call; more than one lost GPU costs one probe per GPU that follows the first,
-        since nvidia-ctk then no longer says which. `failed` stands when the GPUs cannot
-        be named without NVML, every GPU is lost, or the config chooses the devices."""
-        from .gpus import device_ids, kernel_gpus
+    def _output(self) -> bytes:
+        output = self.work / "nvidia.yaml"
+        try:
+            return output.read_bytes()
+        except OSError:
+            die(f"nvidia-ctk cdi generate wrote no spec at {output}",
+                hint="check the nvidia_ctk_args in the config")
 
-        gpus = kernel_gpus(self.machine)
-        if index >= len(gpus) or selects_devices(self.machine.config.nvidia_ctk_args):
+    def _degrade(self, failed: Result) -> Result | None:
+        """A GPU that NVML cannot use degrades the node, it never darkens it (DESIGN,
+        2026-12-04 and 2026-12-05). NVML is asked by index which GPUs it can use
+        (nvml.py), never trusting a lookup by UUID. nvidia-ctk is then asked for those
+        GPUs by `--device-id`, which keeps its per-GPU devices. Where NVML's lookups by
+        UUID fail for another GPU's sake, that fails too, and management mode's `all`,
+        cut down to the usable GPUs (narrow.py), serves them. `failed` stands when NVML
+        answers for every GPU or cannot be asked; None when no GPU is usable."""
+        from . import nvml
+        from .gpus import assess, mig_cap_minors
+
+        answer = nvml.ask(self.machine)
+        assessment = assess(self.machine, answer) if answer is not None else None
+        if assessment is None:
             return failed
-        lost = [gpus[index]]
-        ids = device_ids(self.machine, [g for g in gpus if g not in lost])
-        if not ids:
-            return failed
-        result = self._generate(ids).wait()
-        if not result.ok and _LOST in result.stderr:
-            # Another lost GPU after the first (those before it answered): find each.
-            for gpu in gpus[index + 1:]:
-                one = device_ids(self.machine, [gpu])
-                if one and _LOST in self._generate(one).wait().stderr:
-                    lost.append(gpu)
-            ids = device_ids(self.machine, [g for g in gpus if g not in lost])
-            if not ids:
-                return failed
+        self.assessment = assessment
+        _warn(assessment)
+        if assessment.serves_none:
+            return None
+        minors = assessment.serve_minors()
+        ids = assessment.device_ids()
+        if ids:
             result = self._generate(ids).wait()
-        if result.ok:
-            self.lost, self.gpu_count = lost, len(gpus)
-            for gpu in lost:
-                log.warn(f"{gpu.describe()} is lost (NVML: GPU is lost; Xid 79, fallen off "
-                         f"the bus): the spec serves the {len(gpus) - len(lost)} other GPUs; "
-                         "a GPU reset or reboot on the host brings it back, then "
-                         "`systemctl reload unbounded-nvidia-setup`")
-        return result
+            if result.ok and self._serves(minors):
+                return result
+            log.info("nvidia-ctk cannot generate the usable GPUs' devices by UUID "
+                     f"({result.why() if not result.ok else 'it served other GPUs'}): "
+                     "serving them through management mode's `all`, without per-GPU devices")
+        caps: set[int] = set()
+        for gpu in assessment.usable:
+            if gpu.mig and gpu.migs and gpu.minor is not None:
+                caps |= mig_cap_minors(self.machine, gpu.minor)
+        self.narrow_to = minors, caps
+        return self._generate(mode="management").wait()
+
+    def _serves(self, minors: set[int]) -> bool:
+        from .gpus import served_minors
+
+        try:
+            doc = load_yaml(self._output())
+        except Exception:
+            return False
+        return served_minors(doc) == minors
+
+    def _narrowed(self, data: bytes, minors: set[int], caps: set[int]) -> bytes:
+        import yaml
+
+        from .narrow import narrowed
+
+        try:
+            doc = load_yaml(data)
+        except yaml.YAMLError:
+            return data  # validation names it
+        if not isinstance(doc, dict):
+            return data
+        dropped = narrowed(doc, minors, caps)
+        if dropped:
+            log.info(f"left out of management mode's spec: {', '.join(dropped)}")
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+        text: str = yaml.dump(doc, Dumper=dumper, sort_keys=False, default_flow_style=False)
+        return text.encode()
+
+    def _check_served(self, data: bytes) -> None:
+        """A degraded spec serves exactly the usable GPUs: never an unusable one."""
+        from .gpus import served_minors
+
+        assert self.assessment is not None
+        served = served_minors(load_yaml(data))
+        want = self.assessment.serve_minors()
+        if served != want:
+            names = ", ".join(f"/dev/nvidia{n}" for n in sorted(served ^ want))
+            die(f"the spec nvidia-ctk wrote for the usable GPUs serves other GPUs than them "
+                f"({names}); it was not installed",
+                hint="the previous driver root and spec were kept; check the NVIDIA "
+                     "Container Toolkit version")
 
     def __enter__(self) -> Generator:
         return self
@@ -208,6 +261,38 @@ class Generator:
         for started in self.running:
             started.__exit__()
         remove_tree(self.work)
+
+
+def _warn(assessment: Assessment) -> None:
+    from . import nvml
+
+    if assessment.node_error is not None:
+        code = assessment.node_error
+        log.warn(f"NVML answers {code} ({assessment_text(assessment, code)}) for the node's "
+                 "GPUs, an error of the attached devices, no single GPU's: no GPU is served "
+                 "and no CDI spec is installed; keep GPU pods off this node and repair the "
+                 "host (power, PCIe), then `systemctl restart unbounded-nvidia-setup`")
+        return
+    usable = len(assessment.serve_minors())
+    if not usable:
+        log.warn(f"NVML can use none of the {len(assessment.listed) or len(assessment.unusable)} "
+                 "GPUs of this node: no GPU is served and no CDI spec is installed; keep GPU "
+                 "pods off this node and repair the host (a GPU reset or a reboot), then "
+                 "`systemctl reload unbounded-nvidia-setup`")
+    for gpu, code in assessment.unusable:
+        what = "is lost (Xid 79, fallen off the bus)" if code == nvml.GPU_IS_LOST else \
+            "cannot be used"
+        log.warn(f"{gpu.describe()} {what}: NVML answers {code} "
+                 f"({assessment_text(assessment, code)}) for it"
+                 + (f"; the spec serves the {usable} GPUs NVML can use" if usable else "")
+                 + "; a GPU reset or reboot on the host brings it back, then "
+                 "`systemctl reload unbounded-nvidia-setup`")
+
+
+def assessment_text(assessment: Assessment, code: int) -> str:
+    from . import nvml
+
+    return assessment.texts.get(code) or nvml.TEXTS.get(code) or "an NVML error"
 
 
 def validate(machine: Machine, data: bytes, driver_version: str,
@@ -239,6 +324,21 @@ def install(machine: Machine, data: bytes) -> bool:
     if changed:
         log.info(f"installed {path}")
     return changed
+
+
+def uninstall(machine: Machine) -> bool:
+    """Remove the installed spec (NVML can use no GPU); True when there was one."""
+    path = machine.cdi_spec
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        die(f"cannot remove the CDI spec {path}: {e.strerror}",
+            hint=f"make {path.parent} writable for root; the previous driver root and spec "
+                 "were kept")
+    log.info(f"removed {path}: no GPU of this node is usable")
+    return True
 
 
 def remove_shadow(machine: Machine) -> None:

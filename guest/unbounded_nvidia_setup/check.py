@@ -38,7 +38,12 @@ def _last_run_line(report: Report) -> str:
     if last.failed:
         return (f"`{last.command}` failed at {when(last)} (exit {last.exit_code}): "
                 f"{log.one_line(last.error or 'no error line recorded')}")
-    return f"`{last.command}` succeeded at {when(last)}"
+    line = f"`{last.command}` succeeded at {when(last)}"
+    if last.reload_exit_code is not None:
+        line += (f"; a reload since failed (exit {last.reload_exit_code}: "
+                 f"{log.one_line(last.reload_error or 'no error line recorded')}) and "
+                 "changed nothing")
+    return line
 
 
 def render_status(machine: Machine, report: Report) -> str:
@@ -66,10 +71,12 @@ def render_status(machine: Machine, report: Report) -> str:
         ]
         gpus = report.sections.get("gpus")
         if gpus and gpus["listed"]:
-            lost = ", ".join(f"GPU {g['index']} ({g['uuid'] or g['device']})"
-                             for g in gpus["lost"])
-            lines.append(f"GPUs:           serving {gpus['served']} of {gpus['listed']} GPUs"
-                         + (f" (lost: {lost})" if lost else ""))
+            bad = ", ".join(f"GPU {g['index']} ({g['uuid'] or g['device'] or '-'}, NVML "
+                            f"{g['nvml_error']})" for g in gpus["unusable"])
+            lines.append(f"GPUs:           the spec serves {gpus['served']} of "
+                         f"{gpus['listed']} GPUs" + (f" (unusable: {bad})" if bad else ""))
+            if gpus["excluded"]:
+                lines.append(f"                excluded on the host: {', '.join(gpus['excluded'])}")
     if report.left_out:
         lines.append(f"Left out:       {len(report.left_out)} staged "
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "

@@ -20,6 +20,8 @@ from .log import EXIT_FAILED, EXIT_USAGE, Failure
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
+    from .state import Report
+
 T = TypeVar("T")
 PROG = "unbounded-nvidia-setup"
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from .check import render_json, render_text
     from .lock import shared_or_busy
-    from .state import DEGRADED, ask_for_reload, collect_beside, unit_state
+    from .state import DEGRADED, EXIT_DEGRADED, NO_USABLE_GPU, collect_beside, unit_state
 
     def action() -> int:
         machine = _machine(args)
@@ -100,11 +102,29 @@ def check(args: argparse.Namespace) -> int:
 
             write_check(machine, report, time.time())
         print(render_json(report) if args.as_json else render_text(report))
-        if args.reload_if_degraded and report.verdict == DEGRADED:
-            ask_for_reload(machine)
-        return 0 if report.ok else EXIT_FAILED
+        verdict = report.verdict
+        if args.reload_if_degraded and verdict in (DEGRADED, NO_USABLE_GPU):
+            _reload_if_due(machine, report)
+        if report.ok:
+            return 0
+        return EXIT_DEGRADED if verdict == DEGRADED else EXIT_FAILED
 
     return _guarded(action)
+
+
+def _reload_if_due(machine: Machine, report: Report) -> None:
+    from .gpus import fingerprint
+    from .outcome import when
+    from .state import ask_for_reload, reload_due, reload_wait
+
+    last = report.last_run
+    if reload_due(last, time.time(), fingerprint(machine)):
+        ask_for_reload(machine)
+    elif last is not None:
+        due = time.strftime("%H:%M:%S UTC", time.gmtime(last.last_attempt + reload_wait(last)))
+        log.info(f"the GPUs were last asked for at {when(last)}, {last.gpus.attempts} "
+                 f"reloads ago, and the kernel shows no change: the next reload is due at "
+                 f"{due}")
 
 
 def status(args: argparse.Namespace) -> int:
@@ -186,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
              "`systemctl reload` runs); fails, changing nothing, when the root no longer "
              "matches the staging")
     check_parser = command("check", check, "validate the live state; change nothing; "
-                           "exit 1 on problems")
+                           "exit 1 on problems, 3 when degraded (serving fewer GPUs)")
     check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print one JSON object")
     check_parser.add_argument(
@@ -194,8 +214,9 @@ def parser() -> argparse.ArgumentParser:
         help="also write the result to unbounded_nvidia_setup.prom in metrics_dir")
     check_parser.add_argument(
         "--reload-if-degraded", action="store_true",
-        help="when the verdict is degraded (a GPU lost), ask systemd to reload "
-             "unbounded-nvidia-setup, which serves the GPU again once it is back (the "
+        help="when the verdict is degraded or no-usable-gpu (a GPU NVML cannot use), ask "
+             "systemd to reload unbounded-nvidia-setup, which serves the GPU again once it "
+             "is back; backs off from every 5 min to every hour while nothing changes (the "
              "drift check's timer does this)")
     command("status", status, "summarize GPU, driver root, spec and problems")
     command("clean", clean, "remove the driver root, the CDI spec and the ld.so.conf "

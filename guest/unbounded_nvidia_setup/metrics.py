@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import log, outcome
-from .outcome import LostGpu
+from .outcome import RELOAD, Gpus
 from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ FILE = "unbounded_nvidia_setup.prom"
 _TMP = f".{FILE}.tmp"  # not *.prom: node_exporter never reads a half-written file
 PREFIX = "unbounded_nvidia_setup_"
 _RUN_PREFIX = f"{PREFIX}run_"
+_RELOAD_PREFIX = f"{PREFIX}reload_"
 _LOCK_WAIT = 2.0  # seconds; another writer holds the flock only for a few syscalls
 _CARRY_MAX = 1 << 16
 
@@ -59,7 +60,7 @@ class RunRecord:
         self.checked_at = 0.0
         self.command = "run"  # outcome.RUN or outcome.RELOAD
         self.error: str | None = None  # the failure's one line
-        self.lost: tuple[LostGpu, ...] = ()  # GPUs NVML reported lost (cdi.Generator)
+        self.gpus = Gpus()  # what NVML said of the GPUs (cdi.Generator's assessment)
         # A run that never got the lock (exit 75) did nothing: the outcome on record is the
         # lock holder's to write, not replaced by "another run holds the lock".
         self.held_lock = False
@@ -68,20 +69,44 @@ class RunRecord:
         if self.machine is None:
             return
         if self.held_lock:
-            lost = self.lost
-            if exit_code != 0:  # the previous spec stayed live, and with it its lost GPUs
-                previous = outcome.read(self.machine)
-                lost = previous.lost if previous is not None else ()
-            outcome.write(self.machine, outcome.Outcome(self.command, exit_code, time.time(),
-                                                        self.error, lost))
+            outcome.write(self.machine, self._outcome(exit_code))
         now = time.time()
-        run = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped))
+        lines = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped,
+                                "reload_" if self.command == RELOAD else "run_"))
         check = None
         if self.report is not None:
             check = _report_lines(self.report, self.checked_at)
         elif self.no_gpu:
             check = list(_check_lines(False, None, None, {}, [], self.checked_at, gpus={}))
-        write(self.machine, run=run, check=check)
+        # A reload's outcome is its own families: a reload that fails changed nothing, so
+        # the run's families (and the critical alert on them) keep saying how the state
+        # that is live came to be (docs/alerts.yml).
+        if self.command == RELOAD:
+            write(self.machine, run=None, reload=lines, check=check)
+        else:
+            write(self.machine, run=lines, check=check)
+
+    def _outcome(self, exit_code: int) -> outcome.Outcome:
+        """The record this run leaves. A failed run keeps the previous spec live, and with
+        it the GPUs its run left out. A failed reload changed nothing: the record stays
+        the previous one's, with the reload's failure beside it."""
+        assert self.machine is not None
+        now = time.time()
+        previous = outcome.read(self.machine)
+        if exit_code != 0 and previous is not None:
+            if self.command == RELOAD and not previous.failed:
+                previous.reload_exit_code, previous.reload_finished_at = exit_code, now
+                previous.reload_error = self.error
+                previous.gpus.attempts += previous.gpus.degraded
+                return previous
+            return outcome.Outcome(self.command, exit_code, now, self.error, previous.gpus)
+        if exit_code != 0:
+            return outcome.Outcome(self.command, exit_code, now, self.error)
+        gpus = self.gpus
+        if (self.command == RELOAD and gpus.degraded and previous is not None
+                and previous.gpus.degraded):
+            gpus.attempts = previous.gpus.attempts + 1
+        return outcome.Outcome(self.command, exit_code, now, None, gpus)
 
 
 def write_check(machine: Machine, report: Report, checked_at: float) -> None:
@@ -113,15 +138,19 @@ def _gauge(name: str, help_text: str, value: object) -> Iterator[str]:
     yield f"{PREFIX}{name} {value}"
 
 
-def _run_lines(code: int, duration: float, now: float, swapped: bool) -> Iterator[str]:
-    yield from _gauge("run_success", "1 when the last run succeeded, else 0.", int(code == 0))
-    yield from _gauge("run_exit_code", "Exit status of the last run.", code)
-    yield from _gauge("run_timestamp_seconds", "Unix time at which the last run ended.",
-                      _number(now))
-    yield from _gauge("run_duration_seconds", "How long the last run took.",
+def _run_lines(code: int, duration: float, now: float, swapped: bool,
+               family: str = "run_") -> Iterator[str]:
+    what = "reload (systemctl reload: the spec only)" if family == "reload_" else "run"
+    yield from _gauge(f"{family}success", f"1 when the last {what} succeeded, else 0.",
+                      int(code == 0))
+    yield from _gauge(f"{family}exit_code", f"Exit status of the last {what}.", code)
+    yield from _gauge(f"{family}timestamp_seconds", f"Unix time at which the last {what} "
+                      "ended.", _number(now))
+    yield from _gauge(f"{family}duration_seconds", f"How long the last {what} took.",
                       _number(duration))
-    yield from _gauge("run_swapped", "1 when the last run swapped in a new driver root "
-                      "generation.", int(swapped))
+    if family == "run_":
+        yield from _gauge("run_swapped", "1 when the last run swapped in a new driver root "
+                          "generation.", int(swapped))
 
 
 def _check_lines(gpu: bool, driver_version: str | None, module_version: str | None,
@@ -135,10 +164,13 @@ def _check_lines(gpu: bool, driver_version: str | None, module_version: str | No
     gpus = gpus or {}
     # Listed and served apart: an alert on `served < listed` finds the degraded nodes of
     # a fleet (a lost GPU, docs/problems.md: gpu-lost) without reading problem codes.
-    yield from _gauge("gpus", "GPUs the kernel module lists (/proc/driver/nvidia/gpus).",
+    yield from _gauge("gpus", "GPUs the kernel module lists (/proc/driver/nvidia/gpus) "
+                      "and NVML enumerates: those the host excluded are not counted.",
                       gpus.get("listed", 0))
     yield from _gauge("gpus_served", "GPUs of those whose device node the CDI spec serves.",
                       gpus.get("served", 0))
+    yield from _gauge("gpus_excluded", "GPUs the host excluded (NVreg_ExcludedGpus): listed "
+                      "by the kernel module, never served.", len(gpus.get("excluded", [])))
     yield from _gauge("driver_root_files", "Regular files in the driver root.",
                       root.get("files", 0))
     yield from _gauge("driver_root_bytes", "Bytes in the driver root's files.",
@@ -158,20 +190,28 @@ def _check_lines(gpu: bool, driver_version: str | None, module_version: str | No
         yield f'{PREFIX}check_problems{{code="{_label(code)}"}} {count}'
 
 
-def _carried(text: str, run: bool) -> list[str]:
-    """The lines of the previous file's run families (`run`) or other families."""
+def _group(name: str) -> str:
+    if name.startswith(_RUN_PREFIX):
+        return "run"
+    return "reload" if name.startswith(_RELOAD_PREFIX) else "check"
+
+
+def _carried(text: str, group: str) -> list[str]:
+    """The lines of the previous file's families of `group` (run, reload or check)."""
     kept = []
     for line in text.splitlines():
         parts = line.split()
         name = parts[2] if line.startswith("# ") and len(parts) > 2 else line.split("{")[0]
-        if name.startswith(PREFIX) and name.startswith(_RUN_PREFIX) == run:
+        if name.startswith(PREFIX) and _group(name) == group:
             kept.append(line)
     return kept
 
 
-def write(machine: Machine, *, run: list[str] | None, check: list[str] | None) -> None:
-    """Replace the file with `run` and `check` lines, keeping the previous file's lines
-    for whichever is None. Never raises: metrics must not change a command's outcome."""
+def write(machine: Machine, *, run: list[str] | None, check: list[str] | None,
+          reload: list[str] | None = None) -> None:
+    """Replace the file with `run`, `reload` and `check` lines, keeping the previous
+    file's lines for whichever is None. Never raises: metrics must not change a
+    command's outcome."""
     directory = machine.metrics_dir
     if directory is None:
         return
@@ -185,7 +225,7 @@ def write(machine: Machine, *, run: list[str] | None, check: list[str] | None) -
                  "set metrics_dir to a real directory, or to '' to turn metrics off")
         return
     try:
-        _write_in(dirfd, run, check)
+        _write_in(dirfd, {"run": run, "reload": reload, "check": check})
     except OSError as e:
         log.warn(f"metrics not written to {directory}/{FILE}: {e.strerror}; "
                  "node_exporter keeps the previous values")
@@ -193,13 +233,14 @@ def write(machine: Machine, *, run: list[str] | None, check: list[str] | None) -
         os.close(dirfd)
 
 
-def _write_in(dirfd: int, run: list[str] | None, check: list[str] | None) -> None:
+def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> None:
     _lock(dirfd)
-    if run is None or check is None:
+    if any(lines is None for lines in groups.values()):
         previous = _read_previous(dirfd)
-        run = _carried(previous, run=True) if run is None else run
-        check = _carried(previous, run=False) if check is None else check
-    data = "".join(f"{line}\n" for line in run + check).encode()
+        groups = {g: _carried(previous, g) if lines is None else lines
+                  for g, lines in groups.items()}
+    data = "".join(f"{line}\n" for g in ("run", "reload", "check")
+                   for line in groups[g] or []).encode()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(_TMP, dir_fd=dirfd)  # a writer killed mid-way; we hold the flock
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -24,6 +24,7 @@ class Problem:
 PROBLEM_CODES = (
     "stale-state", "staging-missing", "staging-invalid", "setup-running", "setup-failed",
     "device-missing", "device-stale", "devices-not-bound", "pod-on-old-root", "gpu-lost",
+    "gpu-unusable", "no-usable-gpu",
     "root-missing", "root-not-directory", "root-parent-symlink", "root-out-of-date",
     "root-missing-library", "root-library-not-regular", "root-missing-link",
     "root-wrong-link", "root-absolute-link", "root-escaping-link", "root-dangling-link",
@@ -42,5 +43,10 @@ PROBLEM_CODES = (
 WAITING_CODES = frozenset({"staging-missing", "devices-not-bound"})
 
 # Problems that leave the node serving, with less: the verdict is `degraded` when they are
-# all there is (a lost GPU; docs/host-integration.md says what the host agent does).
-DEGRADED_CODES = frozenset({"gpu-lost"})
+# all there is (a GPU NVML cannot use; docs/host-integration.md says what the host agent
+# does).
+DEGRADED_CODES = frozenset({"gpu-lost", "gpu-unusable"})
+# With `no-usable-gpu` (NVML can use no GPU of the node): the node is up and serves none,
+# the verdict `no-usable-gpu` when they are all there is. A run ends with these by its
+# own decision, never as a failure (reconcile._verify_end_state).
+SERVING_CODES = DEGRADED_CODES | {"no-usable-gpu"}

@@ -13,7 +13,7 @@ from .lock import locked
 from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
 from .metrics import RunRecord
 from .plan import LeftOut, Manifest, Plan
-from .problems import DEGRADED_CODES
+from .problems import SERVING_CODES
 from .run import find_program
 from .state import collect
 from .verify import changed_copies, root_problems
@@ -158,7 +158,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             with linker.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 linker.check_ldconfig(ldconfig.wait())
-            record.lost = lost_gpus(generator)
+            record.gpus = gpus_of(machine, generator)
             _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
@@ -168,21 +168,35 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     if undo.swapped:
         record.swapped = True
         log.info(f"driver root {live} now holds driver {plan.version}")
-    log.status(f"Ready{serving(generator)}: driver {plan.version}, {len(plan.files)} files "
+    log.status(f"{serving(generator)}: driver {plan.version}, {len(plan.files)} files "
                f"in {live}, spec {machine.cdi_spec}")
 
 
-def lost_gpus(generator: cdi.Generator) -> tuple[outcome.LostGpu, ...]:
-    return tuple(outcome.LostGpu(g.index, g.device, g.uuid, g.bus_id) for g in generator.lost)
+def gpus_of(machine: Machine, generator: cdi.Generator) -> outcome.Gpus:
+    """What the run found of the GPUs, for its record (outcome.py)."""
+    found = generator.assessment
+    if found is None:
+        return outcome.Gpus()
+    from .gpus import fingerprint
+
+    unusable = tuple(outcome.UnusableGpu(g.index if g.index is not None else -1, code,
+                                         g.device, g.uuid, g.bus_id or None)
+                     for g, code in found.unusable)
+    return outcome.Gpus(unusable, found.node_error, found.serves_none, fingerprint(machine))
 
 
 def serving(generator: cdi.Generator) -> str:
     """STATUS='s word on a degraded node: `systemctl status` shows it at a glance."""
-    if not generator.lost:
-        return ""
-    served = generator.gpu_count - len(generator.lost)
-    return (f" (degraded): serving {served} of {generator.gpu_count} GPUs, "
-            + ", ".join(f"{g.describe()} lost" for g in generator.lost))
+    found = generator.assessment
+    if found is None:
+        return "Ready"
+    listed = len(found.listed) or len(found.usable) + len(found.unusable)
+    bad = ", ".join(f"{g.describe()} {'lost' if code == 15 else f'NVML error {code}'}"
+                    for g, code in found.unusable)
+    if found.serves_none:
+        return (f"Up without GPUs: NVML can use none of the {listed} GPUs ({bad}); no CDI spec "
+                "is installed: keep GPU pods off this node")
+    return f"Ready (degraded): the spec serves {len(found.serve_minors())} of {listed} GPUs, {bad}"
 
 
 def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:
@@ -243,7 +257,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         log.status("Generating the CDI spec for the live driver root")
         helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
         spec = generator.spec(plan.version, helpers)
-        record.lost = lost_gpus(generator)
+        record.gpus = gpus_of(machine, generator)
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
             changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out)
@@ -251,7 +265,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
             undo.rollback()
             raise
     # STATUS= as a run's, "Ready" first: the unit's status shows the reload's outcome.
-    log.status(f"Ready{serving(generator)}: spec refreshed for driver {plan.version}, "
+    log.status(f"{serving(generator)}: spec refreshed for driver {plan.version}, "
                f"{machine.cdi_spec} " + ("updated" if changed else "unchanged"))
 
 
@@ -262,14 +276,16 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def _install_and_prove(machine: Machine, undo: Undo, spec: bytes, want: Manifest,
+def _install_and_prove(machine: Machine, undo: Undo, spec: bytes | None, want: Manifest,
                        record: RunRecord, left_out: tuple[LeftOut, ...]) -> bool:
     """Install the validated spec and prove the end state (the last steps of `run` and of
-    `run --spec-only`); True when the spec changed. The caller rolls back on failure."""
+    `run --spec-only`); True when the spec changed. The caller rolls back on failure.
+    No spec (NVML can use no GPU): the previous one goes, as it serves GPUs that are
+    unusable now; a pod asking for one fails to start, naming the device."""
     # Set first: an install that fails after its rename (fsync of /etc/cdi) has already
     # replaced the spec.
     undo.spec_written = True
-    changed = cdi.install(machine, spec)
+    changed = cdi.install(machine, spec) if spec is not None else cdi.uninstall(machine)
     cdi.remove_shadow(machine)
     _verify_end_state(machine, want, record, left_out)
     return changed
@@ -281,10 +297,10 @@ def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
     log.status("Verifying the live driver root, linker cache and CDI spec")
-    report = collect(machine, want, left_out, record.lost)
-    # A GPU left out of the spec is the run's own decision (a lost GPU, cdi.Generator):
-    # the node is Ready, degraded, and the report says so.
-    wrong = [p for p in report.problems if p.code not in DEGRADED_CODES]
+    report = collect(machine, want, left_out, record.gpus)
+    # A GPU left out of the spec is the run's own decision (a GPU NVML cannot use,
+    # cdi.Generator): the node is up, degraded or serving none, and the report says so.
+    wrong = [p for p in report.problems if p.code not in SERVING_CODES]
     if wrong:  # not recorded: the rollback undoes the state it describes
         first, more = wrong[0], len(wrong) - 1
         die(f"the live state is wrong after setup: [{first.code}] {first.message}"

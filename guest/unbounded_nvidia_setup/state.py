@@ -12,7 +12,7 @@ from . import devices, discover, driver, linker, log, outcome, searchorder, tree
 from .config import GPUS_DIR, Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
-from .problems import DEGRADED_CODES, WAITING_CODES, Problem
+from .problems import SERVING_CODES, WAITING_CODES, Problem
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
@@ -20,11 +20,17 @@ SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change w
 UNIT = "unbounded-nvidia-setup.service"
 # The answer a host agent switches on (docs/host-integration.md).
 # Minor versions add keys, codes and verdicts only (docs/problems.md); 1: `degraded`,
-# `gpu-lost`, `setup-failed` and the `gpus` section (issue 27).
-SCHEMA_MINOR = 1
+# `gpu-lost`, `setup-failed` and the `gpus` section (issue 27); 2: `no-usable-gpu` (a
+# verdict and a code), `gpu-unusable`, `spec-imex-channel`, the `gpus` section's
+# `unusable`, `excluded` and `node_error`, and `last_reload` (issue 31).
+SCHEMA_MINOR = 2
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
-DEGRADED = "degraded"
-VERDICTS = (READY, DEGRADED, NO_GPU, NOT_READY_YET, BROKEN)
+DEGRADED, NO_USABLE_GPU = "degraded", "no-usable-gpu"
+VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN)
+# `check`'s exit status for `degraded`: serving, with fewer GPUs. Not 0 (a host agent
+# that reads only the status must not take it for healthy) and not 1: the drift check's
+# unit takes it for success (SuccessExitStatus=3), since a restart cannot mend it.
+EXIT_DEGRADED = 3
 
 
 @dataclass
@@ -59,8 +65,9 @@ class Report:
                                              and self.unit[0] == "activating")
         if in_progress or any(p.code in WAITING_CODES for p in self.problems):
             return NOT_READY_YET
-        if all(p.code in DEGRADED_CODES for p in self.problems):
-            return DEGRADED
+        codes = {p.code for p in self.problems}
+        if codes <= SERVING_CODES:
+            return NO_USABLE_GPU if "no-usable-gpu" in codes else DEGRADED
         return BROKEN
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +81,11 @@ class Report:
         if self.unit is not None:
             out["unit"] = {"name": UNIT, "active_state": self.unit[0],
                            "sub_state": self.unit[1]}
+        last = self.last_run
+        if last is not None and last.reload_exit_code is not None:
+            out["last_reload"] = {"exit_code": last.reload_exit_code,
+                                  "finished_at": last.reload_finished_at,
+                                  "error": last.reload_error}
         return out
 
 
@@ -100,6 +112,32 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
     if not result.ok or len(lines) < 2 or not lines[0]:
         return None
     return lines[0].strip(), lines[1].strip()
+
+
+# The drift check's reloads on a degraded node back off: each asks NVML again, against
+# a GPU the host may be resetting (`nvidia-smi -r` needs a GPU without clients). The
+# first is asked at once; then 5 min (the timer's interval), doubling up to an hour. A
+# change in what the kernel shows of the GPUs asks at once again.
+RELOAD_BACKOFF_SECONDS = 300.0
+RELOAD_BACKOFF_MAX_SECONDS = 3600.0
+
+
+def reload_wait(last: outcome.Outcome) -> float:
+    """Seconds after the last asking of NVML before the drift check asks again."""
+    attempts = last.gpus.attempts
+    if attempts == 0:
+        return 0.0
+    return min(RELOAD_BACKOFF_SECONDS * 2.0 ** (attempts - 1), RELOAD_BACKOFF_MAX_SECONDS)
+
+
+def reload_due(last: outcome.Outcome | None, now: float, kernel: str | None) -> bool:
+    """Whether the drift check asks for a reload now: the live spec leaves GPUs out,
+    and the kernel's view of the GPUs changed or the backoff has passed."""
+    if last is None or last.failed or not last.gpus.degraded:
+        return False
+    if kernel is not None and last.gpus.kernel is not None and kernel != last.gpus.kernel:
+        return True
+    return now - last.last_attempt >= reload_wait(last)
 
 
 def ask_for_reload(machine: Machine) -> None:
@@ -232,12 +270,14 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
 
 
 def _check_spec(machine: Machine, report: Report, version: str | None,
-                lost: tuple[outcome.LostGpu, ...]) -> None:
+                gpus: outcome.Gpus) -> None:
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
     if not section["present"]:
-        report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
+        if not gpus.serves_none:  # else no spec is the run's own decision (_check_gpus)
+            report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
+        _check_gpus(machine, report, None, gpus)
         return
     doc, why = _load(path, path.suffix == ".json")
     if why:
@@ -249,48 +289,91 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
     report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
-    _check_gpus(machine, report, doc, lost)
+    _check_gpus(machine, report, doc, gpus)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
         report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
                                        "devices (nvidia-cdi-refresh?)", str(shadow)))
 
 
-def _check_gpus(machine: Machine, report: Report, doc: Any,
-                lost_by_run: tuple[outcome.LostGpu, ...]) -> None:
-    """Each GPU the last run found lost (NVML: GPU_IS_LOST) and left out of the spec is
-    `gpu-lost` while the spec still does not serve it: pods cannot get it and the others
-    are served, so the verdict is `degraded` when nothing else is wrong. Only a run asks
-    NVML; check reads the run's record (outcome.py), which names the lost GPUs of the
-    live spec (`lost_by_run`; a run proving its end state passes its own). A GPU the spec
-    leaves out for another reason (a MIG-enabled GPU without MIG devices, a GPU that
-    arrived since) is not lost."""
-    if not lost_by_run:
-        # Nothing to match: only the count. gpus.py is imported only where a run left
-        # GPUs out (a module costs every boot about 5M instructions, docs/performance.md).
+def _listed(machine: Machine) -> tuple[int, list[str]]:
+    """(the GPUs the module lists that NVML enumerates, the bus ids of those the host
+    excluded), read without gpus.py: a healthy node's every check and end-state proof
+    count them, and a module costs every boot about 5M instructions to import
+    (docs/performance.md)."""
+    top = machine.at(GPUS_DIR)
+    try:
+        buses = os.listdir(top)
+    except OSError:
+        return 0, []
+    excluded = []
+    for bus in buses:
         try:
-            count = len(os.listdir(machine.at(GPUS_DIR)))
+            with open(top / bus / "information", "rb") as f:
+                text = f.read(1 << 14)
         except OSError:
-            count = 0
-        report.sections["gpus"] = {"listed": count, "served": count, "lost": []}
-        return
-    from . import gpus
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(b":")
+            if key == b"GPU Excluded" and value.strip().lower() == b"yes":
+                excluded.append(bus)
+    return len(buses) - len(excluded), sorted(excluded)
 
-    listed = gpus.kernel_gpus(machine)
-    served = gpus.served_minors(doc)
-    reported = {g.device for g in lost_by_run}
-    lost = [g for g in listed
-            if g.minor is not None and g.minor not in served and g.device in reported]
+
+def _check_gpus(machine: Machine, report: Report, doc: Any, found: outcome.Gpus) -> None:
+    """Each GPU the last run found NVML could not use (outcome.py) and left out of the
+    spec is `gpu-lost` (NVML's GPU_IS_LOST) or `gpu-unusable` (another error) while the
+    spec still does not serve it: the verdict is `degraded` when nothing else is wrong.
+    No GPU usable at all is `no-usable-gpu`. Only a run asks NVML; check reads the run's
+    record, which names the GPUs of the live spec (a run proving its end state passes
+    its own). A GPU the spec leaves out for another reason (excluded on the host, a
+    MIG-enabled GPU without MIG devices, a GPU that arrived since) is not reported."""
+    if not found.degraded:
+        count, excluded = _listed(machine)
+        report.sections["gpus"] = {"listed": count, "served": count, "lost": [],
+                                   "unusable": [], "excluded": excluded, "node_error": None}
+        return
+    from . import gpus, nvml
+
+    kernel = gpus.kernel_gpus(machine)
+    listed = [g for g in kernel if not g.excluded]
+    served = gpus.served_minors(doc) if doc is not None else set()
+    count = len({g.minor for g in listed if g.minor in served})
+    left_out = [u for u in found.unusable
+                if found.serves_none or u.device is None
+                or gpus.node_path_minor(u.device) not in served]
+    entries = [{"index": u.index, "uuid": u.uuid, "device": u.device, "bus_id": u.bus_id,
+                "nvml_error": u.code, "nvml_error_text": nvml.TEXTS.get(u.code)}
+               for u in left_out]
     report.sections["gpus"] = {
-        "listed": len(listed), "served": len(listed) - len(lost),
-        "lost": [{"index": g.index, "uuid": g.uuid, "device": g.device, "bus_id": g.bus_id}
-                 for g in lost]}
-    for gpu in lost:
+        "listed": len(listed), "served": count,
+        "lost": [{k: e[k] for k in ("index", "uuid", "device", "bus_id")}
+                 for e in entries if e["nvml_error"] == nvml.GPU_IS_LOST],
+        "unusable": entries, "excluded": sorted(g.bus_id for g in kernel if g.excluded),
+        "node_error": found.node_error}
+    spec = machine.cdi_spec
+    for u in left_out:
+        what = ", ".join(x for x in (u.uuid, u.device, u.bus_id) if x)
+        name = f"GPU {u.index}" + (f" ({what})" if what else "")
+        text = nvml.TEXTS.get(u.code, "an NVML error")
+        if u.code == nvml.GPU_IS_LOST:
+            code, why = "gpu-lost", "lost (GPU_IS_LOST, Xid 79: fallen off the bus)"
+        else:
+            code, why = "gpu-unusable", f"unusable ({u.code}, {text})"
         report.problems.append(Problem(
-            "gpu-lost", f"{gpu.describe()} is not in {machine.cdi_spec}: NVML reported it "
-            "lost (GPU_IS_LOST, Xid 79: fallen off the bus) when the spec was generated; "
-            f"pods get the other {len(listed) - len(lost)} of {len(listed)}",
-            str(machine.at(gpu.device or "/dev"))))
+            code, f"{name} is not in {spec}: NVML reported it {why} when the spec was "
+            f"generated; the spec serves {count} of {len(listed)} GPUs",
+            str(machine.at(u.device or "/dev"))))
+    if found.serves_none:
+        why = (f"NVML answered {found.node_error} "
+               f"({nvml.TEXTS.get(found.node_error, 'an NVML error')}), an error of the "
+               "attached GPUs, no single GPU's" if found.node_error is not None
+               else "NVML could use none of them")
+        report.problems.append(Problem(
+            "no-usable-gpu", f"this node serves none of its {len(listed)} GPUs: {why}; no "
+            f"CDI spec is installed at {spec}, so a pod that asks for nvidia.com/gpu fails "
+            "to start; keep GPU pods off this node and repair the host",
+            str(spec)))
 
 
 def _check_last_run(machine: Machine, report: Report) -> None:
@@ -299,6 +382,8 @@ def _check_last_run(machine: Machine, report: Report) -> None:
     retries). Its own line says why (outcome.py)."""
     last = outcome.read(machine)
     report.last_run = last
+    # A failed reload (last.reload_exit_code) is not a failed setup: it changed nothing,
+    # and what is live is the run's on record, which the files are checked against.
     if last is None or not last.failed:
         return
     report.problems.append(Problem(
@@ -335,12 +420,12 @@ def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | No
 
 def collect(machine: Machine, want: Manifest | None = None,
             left_out: tuple[LeftOut, ...] = (),
-            lost: tuple[outcome.LostGpu, ...] = ()) -> Report:
+            gpus: outcome.Gpus | None = None) -> Report:
     """Everything `check` reports. With `want` (a run verifying its own end state), the
     root is compared with what the run built instead of resolving staging again (and
-    `left_out` is what its plan left out, `lost` the GPUs it left out of the spec), and
+    `left_out` is what its plan left out, `gpus` what it found NVML cannot use), and
     the device plugin's spec, which the plugin rewrites after kubelet starts, is left
-    out. Without, the lost GPUs are those of the last run's record."""
+    out. Without, the GPUs are those of the last run's record."""
     gpu = discover.has_gpu(machine)
     report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine),
                     left_out=left_out)
@@ -378,8 +463,8 @@ def collect(machine: Machine, want: Manifest | None = None,
     _check_ldcache(machine, report, sonames, leftovers)
     if want is None:
         _check_last_run(machine, report)
-        lost = report.last_run.lost if report.last_run is not None else ()
-    _check_spec(machine, report, version, lost)
+        gpus = report.last_run.gpus if report.last_run is not None else None
+    _check_spec(machine, report, version, gpus or outcome.Gpus())
     if want is None:
         _check_plugin_spec(machine, report, version)
         # Not in a run's end-state proof: pods that predate the run keep the generation it
