@@ -157,12 +157,13 @@ class Generator:
         except OSError:
             die(f"nvidia-ctk cdi generate wrote no spec at {output}",
                 hint="check the nvidia_ctk_args in the config")
+        # IMEX channels are for their consumers, never in nvidia.com/gpu (imex.py).
         # imex.py and gpus.py are imported only where they work: a module costs every
         # boot about 5M instructions to import (docs/performance.md).
         if os.path.isdir(self.machine.at(IMEX_CHANNELS_DIR)):
             from . import imex
 
-            data = imex.with_channels(self.machine, data)
+            data = imex.without_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
         return data
 
