@@ -240,3 +240,34 @@ def test_an_imex_channel_of_another_major_is_found(tmp_path: Path, cli: Cli) -> 
     # A run refuses while the node is stale, and changes nothing.
     spec = m.cdi_spec.read_bytes()
     assert cli(m.root, "run").code != 0 and m.cdi_spec.read_bytes() == spec
+
+
+def test_without_channels_leaves_a_spec_without_one_as_it_is(tmp_path: Path,
+                                                              cli: Cli) -> None:
+    """The same bytes when there is no channel; otherwise every channel goes, from every
+    device and the common edits, and every other node stays. A device that gave only a
+    channel goes too: CDI refuses a device with no edits."""
+    import yaml
+
+    from unbounded_nvidia_setup import imex
+    from unbounded_nvidia_setup.config import Machine, load_config
+
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    path, = simnvml.add_imex_channels(m, 1)
+    assert cli(m.root, "run").code == 0
+    machine = Machine.create(m.root, load_config(m.root, None)[0])
+    data = m.cdi_spec.read_bytes()
+    assert imex.without_channels(machine, data) is data
+    doc = with_channel(m, path, "common")
+    with_all: dict[str, Any] = yaml.safe_load(yaml.safe_dump(doc))
+    next(d for d in with_all["devices"] if d["name"] == "all")["containerEdits"][
+        "deviceNodes"].append(doc["containerEdits"]["deviceNodes"][-1])
+    with_all["devices"].append({"name": "channel0", "containerEdits": {
+        "deviceNodes": [doc["containerEdits"]["deviceNodes"][-1]]}})
+    stripped = yaml.safe_load(imex.without_channels(machine, yaml.safe_dump(with_all).encode()))
+    assert channel_places(stripped) == [] and "channel0" not in [
+        d["name"] for d in stripped["devices"]]
+    installed: dict[str, Any] = load_spec(m)
+    assert nodes_by_device(stripped) == nodes_by_device(installed)
+    assert stripped["containerEdits"] == installed["containerEdits"]
