@@ -90,6 +90,50 @@ def write_proc_devices(root: Path, drivers: dict[str, int] | None = None, *,
     return path
 
 
+def proc_devices_major(root: Path, name: str, default: int) -> int:
+    """The major of driver ``name`` in ``root``'s proc/devices; added (``default``) when
+    the file lacks it, as the kernel lists every registered driver."""
+    path = root / "proc" / "devices"
+    text = path.read_text() if path.exists() else "Character devices:\n\nBlock devices:\n"
+    head, sep, block = text.partition("\n\n")
+    lines = head.splitlines()
+    for line in lines[1:]:
+        major, _, driver = line.strip().partition(" ")
+        if driver == name and major.isdigit():
+            return int(major)
+    chars = [(int(ln.split()[0]), ln.strip().partition(" ")[2]) for ln in lines[1:] if ln.strip()]
+    chars.append((default, name))
+    head = "\n".join([lines[0] if lines else "Character devices:",
+                      *(f"{ma:3d} {drv}" for ma, drv in sorted(chars))])
+    path.write_text(head + (sep or "\n\n") + block)
+    return default
+
+
+# Nodes of modules beside nvidia's that a host binding /dev/nvidia* into the machine
+# brings too (FACTS.md, GPUDirect Storage): an H100 GDS host's nvidia-fs module makes
+# /dev/nvidia-fs<N> under its own dynamic major (16 of them here; the tool must not care
+# how many). OTHER_MODULE stands for any module the tool knows nothing of: named after
+# NVIDIA's vGPU host module, but which nodes that module really makes is not checked
+# here, and the tool must not care. Dynamic majors are handed out downwards from 511;
+# these two are ones no other simulated driver takes (uvm 511, caps 510, IMEX 509, and
+# 508 is the tests' "uvm reloaded").
+GDS_MODULE, GDS_MAJOR, GDS_NODES = "nvidia-fs", 507, 16
+OTHER_MODULE, OTHER_MAJOR = "nvidia-vgpu-vfio", 506
+
+
+def add_other_module_nodes(root: Path, gds_nodes: int = GDS_NODES) -> list[str]:
+    """/dev/nvidia-fs0..<gds_nodes - 1> and /dev/nvidia-vgpu-vfio under ``root``, each
+    with its module's major in proc/devices (added when missing). Returns their names
+    under dev/."""
+    names = []
+    major = proc_devices_major(root, GDS_MODULE, GDS_MAJOR)
+    for n in range(gds_nodes):
+        mknod_char(root / "dev" / f"{GDS_MODULE}{n}", major, n)
+        names.append(f"{GDS_MODULE}{n}")
+    mknod_char(root / "dev" / OTHER_MODULE, proc_devices_major(root, OTHER_MODULE, OTHER_MAJOR), 0)
+    return [*names, OTHER_MODULE]
+
+
 def leave_old_agent_links(m: simgpu.SimMachine, ldconfig: str = "ldconfig",
                           multiarch: str | None = None) -> list[str]:
     """What the older agent's SetupNVIDIA left on a machine: absolute links in

@@ -15,6 +15,7 @@ Layout made by :func:`make_machine` under ``root`` (``<ver>`` = driver version):
     run/host-nvidia/1/            host bin dir: HELPERS (real executables) + unrelated programs
     run/host-nvidia/2/            host firmware dir: nvidia/<ver>/gsp_*.bin (+ a stale version)
     dev/nvidia0 nvidia1 nvidiactl nvidia-uvm nvidia-uvm-tools nvidia-modeset   (char devices)
+    dev/nvidia-fs0..15 nvidia-vgpu-vfio   other modules' nodes, with ``gds=True`` only
     proc/driver/nvidia/version    kernel module version, real format (open or proprietary)
     proc/driver/nvidia/gpus/<bus>/information   one per GPU (uuid, device minor), what the
                                   kernel module writes: the GPUs the simulated NVML lists
@@ -81,10 +82,14 @@ from pathlib import Path
 import drivertables
 import elfbuild
 import toolkit
+from nodefiles import GDS_MAJOR as GDS_MAJOR
 from nodefiles import NVIDIA_MAJORS as NVIDIA_MAJORS
+from nodefiles import OTHER_MODULE as OTHER_MODULE
+from nodefiles import add_other_module_nodes as add_other_module_nodes
 from nodefiles import debian_linker_files as debian_linker_files
 from nodefiles import leave_old_agent_links as leave_old_agent_links
-from nodefiles import mknod_char
+from nodefiles import mknod_char as mknod_char
+from nodefiles import proc_devices_major as proc_devices_major
 from nodefiles import write_proc_devices as write_proc_devices
 from simnvml import add_gpu_information
 
@@ -314,6 +319,7 @@ def make_machine(
     toolkit_libs: bool = True,
     nvml: bool = True,
     module_flavor: str | None = None,
+    gds: bool = False,
 ) -> SimMachine:
     """Build a simulated GPU machine under ``root`` (see the module docstring).
 
@@ -324,7 +330,9 @@ def make_machine(
     toolkit libraries (TOOLKIT_LIBS) that are not driver files. ``nvml``: the GPUs
     answer NVML (``simnvml.add_gpu_information``); False: no GPU does. ``module_flavor``:
     the kernel module's version line, "open" or "proprietary" (:func:`module_version_text`;
-    default :func:`default_module_flavor`, so the suite meets both)."""
+    default :func:`default_module_flavor`, so the suite meets both). ``gds``: an H100
+    GPUDirect Storage host's machine, with the other modules' /dev/nvidia* nodes its
+    host binds too (:func:`add_other_module_nodes`)."""
     if module_version == SAME_AS_VERSION:
         module_version = version
     root = Path(root)
@@ -465,6 +473,8 @@ def make_machine(
 
     debian_linker_files(root, MULTIARCH)
     write_proc_devices(root, devices_present=gpu)
+    if gpu and gds:
+        devices += add_other_module_nodes(root)
     (root / "run" / "lock").mkdir(parents=True, exist_ok=True)
 
     return SimMachine(

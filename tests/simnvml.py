@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nodefiles import mknod_char
+from nodefiles import mknod_char, proc_devices_major
 
 if TYPE_CHECKING:
     from simgpu import SimMachine
@@ -246,25 +246,6 @@ def move_gpu_bus(m: SimMachine, minor: int, bus_id: str) -> None:
     _reorder(m)
 
 
-def _proc_devices_major(m: SimMachine, name: str, default: int) -> int:
-    """The major of driver ``name`` in the machine's proc/devices; added (``default``)
-    when the file lacks it, as the kernel lists every registered driver."""
-    path = m.root / "proc" / "devices"
-    text = path.read_text() if path.exists() else "Character devices:\n\nBlock devices:\n"
-    head, sep, block = text.partition("\n\n")
-    lines = head.splitlines()
-    for line in lines[1:]:
-        major, _, driver = line.strip().partition(" ")
-        if driver == name and major.isdigit():
-            return int(major)
-    chars = [(int(ln.split()[0]), ln.strip().partition(" ")[2]) for ln in lines[1:] if ln.strip()]
-    chars.append((default, name))
-    head = "\n".join([lines[0] if lines else "Character devices:",
-                      *(f"{ma:3d} {drv}" for ma, drv in sorted(chars))])
-    path.write_text(head + (sep or "\n\n") + block)
-    return default
-
-
 def _remove_device(m: SimMachine, name: str) -> None:
     path = m.root / "dev" / name
     if os.path.lexists(path):
@@ -359,7 +340,7 @@ def enable_mig(m: SimMachine, minor: int, devices: list[tuple[int, int, int, int
         lines.append(f"mig-device {slot} {gi} {ci} {gi_profile} {ci_profile} {uuid}")
     _write_state(m, minor, lines)
 
-    major = _proc_devices_major(m, "nvidia-caps", CAPS_MAJOR)
+    major = proc_devices_major(m.root, "nvidia-caps", CAPS_MAJOR)
     caps = _read_mig_minors(m)
     caps.update({"config": 1, "monitor": 2})
     modes = {"config": 0o400, "monitor": 0o444}
@@ -398,7 +379,7 @@ def add_imex_channels(m: SimMachine, count: int) -> list[str]:
     /dev/nvidia-caps-imex-channels/channel<N>, minor N, the major of
     ``nvidia-caps-imex-channels`` in proc/devices (added when missing). Returns their
     /dev paths."""
-    major = _proc_devices_major(m, IMEX_DIR, IMEX_MAJOR)
+    major = proc_devices_major(m.root, IMEX_DIR, IMEX_MAJOR)
     paths = []
     for n in range(count):
         _add_device(m, f"{IMEX_DIR}/channel{n}", major, n, 0o666)

@@ -1151,6 +1151,26 @@ def test_imex_channels_are_in_management_modes_all_only(machine: Machine) -> Non
     assert "nvidia-caps-imex-channels" not in machine.out.read_text()
 
 
+def test_gds_nodes_are_in_no_mode_and_another_modules_only_in_management(
+        machine: Machine) -> None:
+    """GPUDirect Storage's /dev/nvidia-fs<N> (nvidia-fs, its own major): NVML mode lists
+    them nowhere and management mode skips the prefix, so the product's spec never
+    serves them. Another module's /dev/nvidia* node (tests/nodefiles.py) is in
+    management mode's `all`, which globs /dev/nvidia*, and nowhere in NVML mode."""
+    import nodefiles
+
+    other = f"/dev/{nodefiles.OTHER_MODULE}"
+    assert nodefiles.add_other_module_nodes(machine.m.root, 4)[-1] == other[5:]
+    served = {name: [n[0] for n in nodes] for name, nodes in
+              machine.devices(mode="management").items()}
+    assert other in served["all"] and not any("nvidia-fs" in p for p in served["all"])
+    assert list(served) == ["all"]
+    assert "nvidia-fs" not in machine.out.read_text()  # nor in the common edits
+    machine.devices()
+    assert "nvidia-fs" not in machine.out.read_text()
+    assert other not in machine.out.read_text()
+
+
 def test_simulated_nvml_reads_its_machine(tmp_path: Path) -> None:
     """tests/simnvml.c itself, through ctypes as go-nvml calls it: the machine it sits in
     (the part of its real path before /run/host-nvidia/), its GPUs in bus order, a lost

@@ -4,7 +4,8 @@ MIG: nvidia-ctk reads the caps minors from the host's /proc/driver/nvidia-caps/m
 only (tests/procdriver.py), so every run here that meets a MIG-enabled GPU runs in a
 private mount namespace that shows the machine's proc/driver there, as a GPU host's own
 /proc/driver would be. IMEX: /dev/nvidia-caps-imex-channels/channel<N>, which 1.20's
-NVML mode lists nowhere and the product adds to `all` (guest/.../imex.py).
+NVML mode lists nowhere and the product keeps out of every device, whatever nvidia-ctk
+wrote (guest/.../imex.py): channels are handed out one by one by their consumers.
 """
 
 from __future__ import annotations
@@ -140,23 +141,88 @@ def test_a_mig_gpu_without_instances_is_not_a_lost_gpu(tmp_path: Path, cli: Cli)
     assert report["gpus"]["lost"] == [], report["gpus"]
 
 
-def test_imex_channels_are_in_all_with_their_numbers(tmp_path: Path, cli: Cli) -> None:
+def channel_places(doc: dict[str, Any]) -> list[str]:
+    """Where the spec gives containers an IMEX channel: device names, "common" for the
+    spec's own containerEdits."""
+    places = [("common", doc.get("containerEdits") or {})]
+    places += [(d["name"], d.get("containerEdits") or {}) for d in doc["devices"]]
+    return [name for name, edits in places for n in edits.get("deviceNodes") or []
+            if simnvml.IMEX_DIR in n["path"] or simnvml.IMEX_DIR in n.get("hostPath", "")]
+
+
+@pytest.mark.parametrize("args", [None, ["--mode=management"]], ids=["nvml", "management"])
+def test_imex_channels_are_in_no_device_of_the_spec(tmp_path: Path, cli: Cli,
+                                                    args: list[str] | None) -> None:
+    """A channel is an isolation boundary between jobs: NVIDIA hands them out one by one
+    (nvidia-ctk --mode=imex, the device plugin, the DRA driver), never to every pod that
+    asks for nvidia.com/gpu=all. NVML mode lists none; what management mode puts in
+    `all` is taken out, and the rest of `all` stays."""
     m = simgpu.make_machine(tmp_path / "root")
-    m.write_config()
-    paths = simnvml.add_imex_channels(m, 3)
+    if args:
+        m.write_config(nvidia_ctk_args=args)
+    else:
+        m.write_config()
+    simnvml.add_imex_channels(m, 3)
     out = cli(m.root, "run")
     assert out.code == 0, out.stderr
     doc = load_spec(m)
-    every = nodes_by_device(doc)["all"]
-    assert [p for p in every if "imex" in p] == sorted(paths), every
-    for n, path in enumerate(paths):
-        assert numbers(doc, path) == {(IMEX, n)}, path
-    for name, nodes in nodes_by_device(doc).items():
-        assert name == "all" or not any("imex" in p for p in nodes)
+    assert channel_places(doc) == [], channel_places(doc)
+    assert {"/dev/nvidia0", "/dev/nvidia1"} <= set(nodes_by_device(doc)["all"])
     assert check_json(cli, m)["verdict"] == "ready"
-    # A second run changes nothing: the channels are added the same way every time.
+    # A second run changes nothing: the channels are left out the same way every time.
     spec = m.cdi_spec.read_bytes()
     assert cli(m.root, "run").code == 0 and m.cdi_spec.read_bytes() == spec
+
+
+@pytest.mark.parametrize("where", ["all", "0", "common"])
+def test_check_flags_a_spec_that_carries_a_channel(tmp_path: Path, cli: Cli,
+                                                   where: str) -> None:
+    """A spec edited by hand (or written by something else) that gives a channel to a
+    device or to every container is a problem of its own, even with the right numbers."""
+    import yaml
+
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    path, = simnvml.add_imex_channels(m, 1)
+    assert cli(m.root, "run").code == 0
+    m.cdi_spec.write_text(yaml.safe_dump(with_channel(m, path, where)))
+    report: dict[str, Any] = check_json(cli, m)
+    assert codes(report) == {"spec-imex-channel"}, report["problems"]
+    assert [p["path"] for p in report["problems"]] == [str(m.root / path.lstrip("/"))]
+    # The next run puts the spec right.
+    assert cli(m.root, "run").code == 0 and channel_places(load_spec(m)) == []
+
+
+def with_channel(m: simgpu.SimMachine, path: str, where: str) -> dict[str, Any]:
+    """The installed spec with the channel node at `path` added to device `where` (or to
+    the common edits), with its right numbers."""
+    doc: dict[str, Any] = load_spec(m)
+    node = {"path": path, "hostPath": str(m.root / path.lstrip("/")), "major": IMEX,
+            "permissions": "rwm"}
+    holder = doc if where == "common" else next(d for d in doc["devices"]
+                                                if d["name"] == where)
+    holder.setdefault("containerEdits", {}).setdefault("deviceNodes", []).append(node)
+    return doc
+
+
+def test_the_run_refuses_to_install_a_spec_that_carries_a_channel(tmp_path: Path,
+                                                                  cli: Cli) -> None:
+    """Stripping leaves none, but the run's own validation of the spec it is about to
+    install refuses one, in one line."""
+    import yaml
+
+    from unbounded_nvidia_setup import cdi
+    from unbounded_nvidia_setup.config import Machine, load_config
+    from unbounded_nvidia_setup.log import Failure
+
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    path, = simnvml.add_imex_channels(m, 1)
+    assert cli(m.root, "run").code == 0
+    machine = Machine.create(m.root, load_config(m.root, None)[0])
+    data = yaml.safe_dump(with_channel(m, path, "all")).encode()
+    with pytest.raises(Failure, match=f"names IMEX channel {path!r}.*it was not installed"):
+        cdi.validate(machine, data, m.version, ())
 
 
 def test_an_imex_channel_of_another_major_is_found(tmp_path: Path, cli: Cli) -> None:
@@ -168,9 +234,40 @@ def test_an_imex_channel_of_another_major_is_found(tmp_path: Path, cli: Cli) -> 
     node.unlink()
     os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(IMEX + 2, 0))
     report: dict[str, Any] = check_json(cli, m)
-    assert codes(report) == {"device-stale", "spec-bad-device-node"}, report["problems"]
+    assert codes(report) == {"device-stale"}, report["problems"]  # the spec names none
     stale, = [p for p in report["problems"] if p["code"] == "device-stale"]
     assert stale["path"] == str(node)
     # A run refuses while the node is stale, and changes nothing.
     spec = m.cdi_spec.read_bytes()
     assert cli(m.root, "run").code != 0 and m.cdi_spec.read_bytes() == spec
+
+
+def test_without_channels_leaves_a_spec_without_one_as_it_is(tmp_path: Path,
+                                                              cli: Cli) -> None:
+    """The same bytes when there is no channel; otherwise every channel goes, from every
+    device and the common edits, and every other node stays. A device that gave only a
+    channel goes too: CDI refuses a device with no edits."""
+    import yaml
+
+    from unbounded_nvidia_setup import imex
+    from unbounded_nvidia_setup.config import Machine, load_config
+
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    path, = simnvml.add_imex_channels(m, 1)
+    assert cli(m.root, "run").code == 0
+    machine = Machine.create(m.root, load_config(m.root, None)[0])
+    data = m.cdi_spec.read_bytes()
+    assert imex.without_channels(machine, data) is data
+    doc = with_channel(m, path, "common")
+    with_all: dict[str, Any] = yaml.safe_load(yaml.safe_dump(doc))
+    next(d for d in with_all["devices"] if d["name"] == "all")["containerEdits"][
+        "deviceNodes"].append(doc["containerEdits"]["deviceNodes"][-1])
+    with_all["devices"].append({"name": "channel0", "containerEdits": {
+        "deviceNodes": [doc["containerEdits"]["deviceNodes"][-1]]}})
+    stripped = yaml.safe_load(imex.without_channels(machine, yaml.safe_dump(with_all).encode()))
+    assert channel_places(stripped) == [] and "channel0" not in [
+        d["name"] for d in stripped["devices"]]
+    installed: dict[str, Any] = load_spec(m)
+    assert nodes_by_device(stripped) == nodes_by_device(installed)
+    assert stripped["containerEdits"] == installed["containerEdits"]

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ import simgpu
 from conftest import Cli, needs_root
 from realmachine import real_machine
 from test_realdriver import fetch
-from test_run import check_json, codes, root_of, snapshot, spec_of
+from test_run import check_json, codes, load_spec, root_of, snapshot, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 ARM = "aarch64-linux-gnu"
@@ -319,6 +320,75 @@ def test_the_drift_check_catches_a_module_reload_after_boot(ready: simgpu.SimMac
     assert cli(ready.root, "check", "--metrics").code == 1
     text = "".join(p.read_text() for p in metrics.glob("*.prom"))
     assert 'check_problems{code="device-stale"} 2' in text, text  # uvm and uvm-tools
+
+
+# --------------------------------------------------------------------------------------
+# Other modules' /dev/nvidia* nodes (GPUDirect Storage and the like)
+
+
+def spec_nodes(m: simgpu.SimMachine) -> set[str]:
+    """Every deviceNodes path of the installed spec: each device's and the common edits'."""
+    doc: dict[str, Any] = load_spec(m)
+    edits = [doc.get("containerEdits") or {}, *(d["containerEdits"] for d in doc["devices"])]
+    return {n["path"] for e in edits for n in e.get("deviceNodes") or []}
+
+
+@pytest.fixture
+def gds(tmp_path: Path) -> simgpu.SimMachine:
+    """An H100 GPUDirect Storage node: /dev/nvidia-fs<N> and another module's node beside
+    the GPU's, as the host's bind of /dev/nvidia* brings them."""
+    m = simgpu.make_machine(tmp_path / "root", gds=True)
+    m.write_config()
+    return m
+
+
+@pytest.mark.parametrize("args", [None, ["--mode=management"]], ids=["nvml", "management"])
+def test_a_gds_node_comes_up_ready_and_serves_no_nvidia_fs_node(
+        gds: simgpu.SimMachine, cli: Cli, args: list[str] | None) -> None:
+    """The nodes of a module the tool does not check never darken a node; nvidia-ctk
+    serves no nvidia-fs node in either mode (NVML mode lists none, management mode skips
+    the prefix): GDS is handed out by `--mode=gds`, not by nvidia.com/gpu."""
+    assert "nvidia-fs3" in gds.devices and simgpu.OTHER_MODULE in gds.devices
+    if args:
+        gds.write_config(nvidia_ctk_args=args)
+    out = cli(gds.root, "run")
+    assert out.code == 0, out.stderr
+    report = check_json(cli, gds)
+    assert report["verdict"] == "ready" and report["problems"] == [], report["problems"]
+    served = spec_nodes(gds)
+    assert "/dev/nvidia0" in served and not [p for p in served if "nvidia-fs" in p], served
+    if not args:  # NVML mode lists only the GPUs' and the control nodes
+        assert f"/dev/{simgpu.OTHER_MODULE}" not in served, served
+
+
+def test_other_modules_reloaded_or_gone_still_never_darken_a_node(
+        gds: simgpu.SimMachine, cli: Cli) -> None:
+    """nvidia-fs reloaded under another major, the other module unloaded: their nodes
+    are stale, but not this tool's to judge."""
+    assert cli(gds.root, "run").code == 0
+    set_majors(gds, nvidia_fs=simgpu.GDS_MAJOR - 10)
+    out = cli(gds.root, "run")
+    assert out.code == 0, out.stderr
+    assert check_json(cli, gds)["verdict"] == "ready"
+
+
+@pytest.mark.parametrize("name,driver", [
+    ("nvidia-uvm-tools", "nvidia-uvm"), ("nvidia-nvswitchctl", "nvidia-nvswitch"),
+    ("nvidia-nvswitch0", "nvidia-nvswitch"), ("nvidia-nvlink", "nvidia-nvlink"),
+    ("nvidia-modeset", None), ("nvidia1", None)])
+def test_a_known_modules_stale_node_is_still_stale_beside_gds(
+        gds: simgpu.SimMachine, cli: Cli, name: str, driver: str | None) -> None:
+    """Names that share a prefix with another module's are still their module's: a
+    stale major of a module the tool knows is `device-stale` on a GDS node too."""
+    assert cli(gds.root, "run").code == 0
+    stale = 504 if driver else simgpu.NVIDIA_MAJORS["nvidia"] + 1
+    if driver and driver != "nvidia-uvm":
+        simgpu.proc_devices_major(gds.root, driver, 505)
+    node = gds.root / "dev" / name
+    if node.exists():
+        node.unlink()
+    simgpu.mknod_char(node, stale, 1)
+    refused(cli, gds, "device-stale", f"/dev/{name} is character device {stale}:1")
 
 
 # --------------------------------------------------------------------------------------

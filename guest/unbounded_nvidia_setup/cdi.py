@@ -159,12 +159,13 @@ class Generator:
         data = self._output()
         if self.narrow_to is not None:
             data = self._narrowed(data, *self.narrow_to)
+        # IMEX channels are for their consumers, never in nvidia.com/gpu (imex.py).
         # imex.py is imported only where it works: a module costs every boot about 5M
         # instructions to import (docs/performance.md).
         if os.path.isdir(self.machine.at(IMEX_CHANNELS_DIR)):
             from . import imex
 
-            data = imex.with_channels(self.machine, data)
+            data = imex.without_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
         if self.assessment is not None:
             self._check_served(data)

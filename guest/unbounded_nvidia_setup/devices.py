@@ -12,6 +12,13 @@ bound into the machine before a module reload keeps the old major, and CUDA in p
 fails with error 999 (NVIDIA/nvidia-container-toolkit#1934); a node whose driver has no
 line in /proc/devices belongs to a module that is not loaded. /proc/devices is not
 namespaced: the machine reads the host kernel's table.
+
+Only those modules' nodes are checked, each name matched whole (nvidia-uvm-tools is
+uvm's, nvidia-nvswitchctl nvswitch's, nvidia-fs0 no nvidia<N>). A host that binds
+/dev/nvidia* into the machine brings other modules' nodes too: GPUDirect Storage's
+/dev/nvidia-fs<N> (nvidia-fs, its own dynamic major), or any other. This tool serves
+none of them and cannot tell what their modules want, so they never darken a node
+(DESIGN, 2026-12-05): they are not even looked at.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ _DIRS = {"nvidia-caps": "nvidia-caps",
          "nvidia-caps-imex-channels": "nvidia-caps-imex-channels"}
 # Nodes with dynamic majors directly under /dev, by the name their driver registers:
 # /dev/nvidia-uvm and -uvm-tools, /dev/nvidia-nvswitch<N> and -nvswitchctl,
-# /dev/nvidia-nvlink.
-_DYNAMIC = (UVM, "nvidia-nvswitch", "nvidia-nvlink")
+# /dev/nvidia-nvlink (_module matches each name whole).
+_UVM_NAMES = (UVM, "nvidia-uvm-tools")
+NVSWITCH = "nvidia-nvswitch"
+NVLINK = "nvidia-nvlink"
+FIXED = ""  # _module's answer for the nvidia module's own nodes: compared by number
 _MAX_PROC_DEVICES = 1 << 16
 
 LOAD_UVM = ("on the host, load nvidia-uvm (`nvidia-modprobe -u -c0`) and bind /dev/nvidia-uvm "
@@ -51,12 +61,13 @@ class Node:
     run imports this module on every boot, and @dataclass costs more to create than the
     whole device check takes."""
 
-    __slots__ = ("major", "minor", "path")
+    __slots__ = ("driver", "major", "minor", "path")
 
-    def __init__(self, path: str, major: int, minor: int) -> None:
+    def __init__(self, path: str, major: int, minor: int, driver: str) -> None:
         self.path = path  # e.g. /dev/nvidia-uvm
         self.major = major
         self.minor = minor
+        self.driver = driver  # its /proc/devices name, or FIXED (_module)
 
 
 def _is_gpu(name: str) -> bool:
@@ -66,9 +77,18 @@ def _is_gpu(name: str) -> bool:
     return rest == "ctl" or rest.isdigit()
 
 
-def _is_fixed(name: str) -> bool:
-    """A node of the fixed major 195: nvidia<N>, nvidiactl, nvidia-modeset."""
-    return _is_gpu(name) or name == "nvidia-modeset"
+def _module(name: str) -> str | None:
+    """The /proc/devices name of the driver of /dev/<name>: FIXED for nvidia<N>,
+    nvidiactl and nvidia-modeset (major 195), None for a node of a module this tool
+    does not check (nvidia-fs<N>, any other)."""
+    if _is_gpu(name) or name == "nvidia-modeset":
+        return FIXED
+    if name in _UVM_NAMES:
+        return UVM
+    rest = name[len(NVSWITCH):] if name.startswith(NVSWITCH) else None
+    if rest == "ctl" or (rest and rest.isdigit()):
+        return NVSWITCH
+    return NVLINK if name == NVLINK else None
 
 
 def parse(text: str) -> dict[int, set[str]] | None:
@@ -110,8 +130,8 @@ def _char(path: str) -> tuple[int, int] | None:
 
 
 def find_nodes(machine: Machine) -> tuple[list[Node], list[str]]:
-    """(NVIDIA character nodes under /dev and its nvidia-caps* dirs, names under /dev that
-    look like one but are not a character device)."""
+    """(the character nodes of the modules this tool checks, under /dev and its
+    nvidia-caps* dirs; names of theirs under /dev that are not a character device)."""
     dev = str(machine.at("/dev"))
     nodes: list[Node] = []
     odd: list[str] = []
@@ -130,25 +150,17 @@ def find_nodes(machine: Machine) -> tuple[list[Node], list[str]]:
             for sub in inner:
                 found = _char(f"{dev}/{name}/{sub}")
                 if found:
-                    nodes.append(Node(f"/dev/{name}/{sub}", *found))
+                    nodes.append(Node(f"/dev/{name}/{sub}", *found, _DIRS[name]))
+            continue
+        driver = _module(name)
+        if driver is None:  # another module's node: not this tool's to judge
             continue
         found = _char(f"{dev}/{name}")
         if found:
-            nodes.append(Node(f"/dev/{name}", *found))
-        elif _is_fixed(name) or name.startswith(_DYNAMIC):
+            nodes.append(Node(f"/dev/{name}", *found, driver))
+        else:
             odd.append(f"/dev/{name}")
     return nodes, odd
-
-
-def _driver(node: Node) -> str | None:
-    """The /proc/devices name of the node's driver; None for the fixed major."""
-    name = node.path.split("/")[2]
-    if name in _DIRS:
-        return _DIRS[name]
-    for prefix in _DYNAMIC:
-        if name.startswith(prefix):
-            return prefix
-    return None
 
 
 def findings(machine: Machine) -> list[tuple[Problem, str]]:
@@ -173,11 +185,11 @@ def findings(machine: Machine) -> list[tuple[Problem, str]]:
                 "loaded nvidia-uvm, or did not bind its nodes)", LOAD_UVM)
     majors = read_majors(machine)
     for node in nodes:
-        driver = _driver(node)
+        driver = node.driver
         todo = RESTART_MACHINE
         if isinstance(majors, str):
             why = f"{majors}: cannot tell whether its driver is loaded"
-        elif driver is None:
+        elif driver == FIXED:
             if node.major == FIXED_MAJOR and FIXED_MAJOR in majors:
                 continue
             why = (f"the nvidia module's major is {FIXED_MAJOR}" if node.major != FIXED_MAJOR

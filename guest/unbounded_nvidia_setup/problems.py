@@ -33,7 +33,7 @@ PROBLEM_CODES = (
     "ldconf-missing", "ldcache-stale", "ldcache-shadowed", "legacy-link",
     "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
     "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
-    "spec-missing-library", "spec-missing-helper", "spec-shadowed",
+    "spec-missing-library", "spec-missing-helper", "spec-imex-channel", "spec-shadowed",
     "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
     "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
 )

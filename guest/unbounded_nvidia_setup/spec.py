@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .config import Machine
+from .config import IMEX_CHANNELS_DIR, Machine
 from .problems import Problem
 
 KIND = "nvidia.com/gpu"
@@ -59,6 +59,7 @@ SPEC_CODES = {
     "bad-device-node": "spec-bad-device-node",
     "missing-library": "spec-missing-library",
     "missing-helper": "spec-missing-helper",
+    "imex-channel": "spec-imex-channel",
 }
 PLUGIN_SPEC_CODES = {
     "invalid": "plugin-spec-invalid",
@@ -68,6 +69,17 @@ PLUGIN_SPEC_CODES = {
     "bad-device-node": "plugin-spec-bad-device-node",
     "missing-library": "plugin-spec-missing-library",
 }
+
+
+def imex_channel(machine: Machine, node: dict[str, Any]) -> bool:
+    """Whether a deviceNodes entry gives containers an IMEX channel, by its path in them
+    or its hostPath. Here, not in imex.py: every validation asks, and imex.py is
+    imported only on machines with channels."""
+    path, host = node.get("path"), node.get("hostPath")
+    if isinstance(path, str) and os.path.normpath(path).startswith(f"{IMEX_CHANNELS_DIR}/"):
+        return True
+    return isinstance(host, str) and bool(host) and os.path.normpath(
+        host_path(machine, host)).startswith(f"{machine.at(IMEX_CHANNELS_DIR)}/")
 
 
 def _numbers(node: dict[str, Any]) -> tuple[int, int] | None:
@@ -109,7 +121,13 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
         elif path.is_relative_to(driver_root):
             driver_files.add(path.name)
     for node in _entries(edits, "deviceNodes"):
+        # Our spec only: a channel is an isolation boundary that NVIDIA hands out one by
+        # one (imex.py), never with nvidia.com/gpu.
         raw = str(node.get("hostPath") or node.get("path") or "")
+        if "imex-channel" in codes and imex_channel(machine, node):
+            problems.append(Problem(codes["imex-channel"],
+                                    f"{where} names IMEX channel {node.get('path') or raw!r}, "
+                                    "which only its consumers hand out, one by one", raw))
         try:
             st = os.stat(host_path(machine, raw))
         except OSError:
