@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA_FILE = REPO / "docs" / "check.schema.json"
 PRODUCT = REPO / "guest" / "unbounded_nvidia_setup"
 PROBLEMS_DOC = REPO / "docs" / "problems.md"
-VERDICTS = ("ready", "degraded", "no-gpu", "not-ready-yet", "broken")
+VERDICTS = ("ready", "degraded", "no-usable-gpu", "no-gpu", "not-ready-yet", "broken")
 
 
 def load_schema(path: Path = SCHEMA_FILE) -> dict[str, Any]:

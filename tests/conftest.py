@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -38,6 +38,27 @@ def _host_dev_as_found() -> Iterator[None]:
     yield
     if made and os.path.lexists("/dev/nvidiactl"):
         os.unlink("/dev/nvidiactl")
+
+
+@pytest.fixture(params=("target", "walk", "any"))
+def nvml_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each documented reading of NVML's lookups by UUID (tests/simnvml.py, READINGS)
+    for every machine the test makes with simgpu.make_machine: a test that uses this
+    runs once per reading (issue 31)."""
+    import simnvml
+
+    reading: str = request.param
+    assert reading in simnvml.READINGS
+    make = simgpu.make_machine
+
+    def made(*args: Any, **kwargs: Any) -> simgpu.SimMachine:
+        m = make(*args, **kwargs)
+        if m.nvml_gpus:
+            simnvml.set_reading(m, reading)
+        return m
+
+    monkeypatch.setattr(simgpu, "make_machine", made)
+    return reading
 
 
 def stand_in_only(why: str) -> pytest.MarkDecorator:

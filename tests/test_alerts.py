@@ -22,7 +22,8 @@ from conftest import Cli, needs_root, needs_tool
 PROMTOOL = "/usr/bin/promtool"
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "docs" / "alerts.yml"
-ALERTS = ("NvidiaSetupFailing", "NvidiaSetupDrift", "NvidiaSetupCheckStale",
+ALERTS = ("NvidiaSetupFailing", "NvidiaSetupDrift", "NvidiaSetupDegraded",
+          "NvidiaSetupNoUsableGpu", "NvidiaSetupReloadFailing", "NvidiaSetupCheckStale",
           "NvidiaDriverVersionMismatch")
 
 pytestmark = needs_tool(PROMTOOL, " (Debian's prometheus)")

@@ -23,7 +23,7 @@ from conftest import Cli, needs_root
 from test_lost_gpu import nodes_by_device
 from test_run import check_json, codes, load_spec
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.usefixtures("nvml_reading")]
 CAPS = simnvml.CAPS_MAJOR
 IMEX = simnvml.IMEX_MAJOR
 
@@ -62,7 +62,8 @@ def test_mig_devices_are_in_the_spec_with_their_caps_nodes(
     assert numbers(doc, cap) == {(CAPS, simnvml.gi_cap_minor(1, 1))}
     report: dict[str, Any] = check_json(cli, m)
     assert report["verdict"] == "ready", report["problems"]
-    assert report["gpus"] == {"listed": 2, "served": 2, "lost": []}
+    assert report["gpus"] == {"listed": 2, "served": 2, "lost": [], "unusable": [],
+                              "excluded": [], "node_error": None}
 
 
 @pytest.mark.parametrize("damage", ["removed", "other-major", "renumbered"])
@@ -110,14 +111,27 @@ def test_a_mig_reconfiguration_then_a_reload_serves_the_new_devices(
 
 
 def test_a_lost_gpu_beside_a_mig_gpu_keeps_the_mig_devices(
-        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli) -> None:
+        mig: tuple[simgpu.SimMachine, list[str]], cli: Cli, nvml_reading: str) -> None:
+    """The MIG devices of the usable GPU stay, with their access caps; where NVML's
+    lookups by UUID fail for the lost GPU's sake (GPU 0 comes first), through
+    management mode's `all`, which must then give neither GPU 0's node, nor MIG's
+    config and monitor caps, nor any other caps node."""
     m, uuids = mig
     simnvml.lose_gpu(m, 0)
     out = cli(m.root, "run", proc_driver=True)
     assert out.code == 0, out.stderr
-    devices = nodes_by_device(load_spec(m))
-    assert devices["1:0"] == devices[uuids[0]] == caps_nodes(1, 0), devices
-    assert devices["1:1"] == caps_nodes(7, 0)
+    doc: dict[str, Any] = load_spec(m)
+    devices = nodes_by_device(doc)
+    if nvml_reading == "target":
+        assert devices["1:0"] == devices[uuids[0]] == caps_nodes(1, 0), devices
+        assert devices["1:1"] == caps_nodes(7, 0)
+    else:
+        assert set(devices) == {"all"}, devices
+    every = {n["path"] for d in doc["devices"] for n in d["containerEdits"].get(
+        "deviceNodes", [])} | {n["path"] for n in doc.get("containerEdits", {}).get(
+            "deviceNodes", [])}
+    assert {p for p in every if "nvidia-cap" in p or p.removeprefix("/dev/nvidia").isdigit()
+            } == set(caps_nodes(1, 0) + caps_nodes(7, 0)), sorted(every)
     assert "0" not in devices and "/dev/nvidia0" not in devices["all"]
     report: dict[str, Any] = check_json(cli, m)
     assert report["verdict"] == "degraded" and codes(report) == {"gpu-lost"}, report

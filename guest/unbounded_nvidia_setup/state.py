@@ -356,10 +356,9 @@ def _check_gpus(machine: Machine, report: Report, doc: Any, found: outcome.Gpus)
         what = ", ".join(x for x in (u.uuid, u.device, u.bus_id) if x)
         name = f"GPU {u.index}" + (f" ({what})" if what else "")
         text = nvml.TEXTS.get(u.code, "an NVML error")
-        if u.code == nvml.GPU_IS_LOST:
-            code, why = "gpu-lost", "lost (GPU_IS_LOST, Xid 79: fallen off the bus)"
-        else:
-            code, why = "gpu-unusable", f"unusable ({u.code}, {text})"
+        code = "gpu-lost" if u.code == nvml.GPU_IS_LOST else "gpu-unusable"
+        why = ("lost (GPU_IS_LOST, Xid 79: fallen off the bus)" if u.code == nvml.GPU_IS_LOST
+               else f"unusable ({u.code}, {text})")
         report.problems.append(Problem(
             code, f"{name} is not in {spec}: NVML reported it {why} when the spec was "
             f"generated; the spec serves {count} of {len(listed)} GPUs",

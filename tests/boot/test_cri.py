@@ -47,6 +47,7 @@ from .harness import (
     us,
 )
 from .nspawn import Bind, Machine, now_us
+from .test_boot import CHECK as CHECK_UNIT
 from .test_boot import METRICS, SPEC, metric_values
 from realmachine import use_real_driver
 
@@ -506,14 +507,24 @@ def pod_gpus(report: dict[str, Any]) -> set[str]:
     return {d for d in report["devices"] if d.removeprefix("nvidia").isdigit()}
 
 
-def lost_gpu_node(cri_node: Any, drv: realdriver.RealDriver) -> CriNode:
+def lost_gpu_node(cri_node: Any, drv: realdriver.RealDriver, reading: str) -> CriNode:
     """nvidia-ctk's default mode (NVML) on a host with three GPUs, GPU :data:`LOST`
-    fallen off the bus (Xid 79, NVML: GPU_IS_LOST) before the boot; node_exporter's
-    textfile directory in the machine."""
+    fallen off the bus (Xid 79, NVML: GPU_IS_LOST) before the boot, NVML's lookups by
+    UUID read as ``reading`` (simnvml.READINGS); node_exporter's textfile directory in
+    the machine."""
     cn: CriNode = cri_node(drv, nvml=True, gpus=3, lost=[LOST])
+    simnvml.set_reading(cn.node.sim, reading)
+    sync_proc_driver(cn.node)
     assert len(cn.node.sim.nvml_gpus) == 3, cn.node.sim.nvml_gpus
     (cn.node.rootfs / METRICS.lstrip("/")).parent.mkdir(parents=True)
     return cn
+
+
+def served_by_uuid(reading: str) -> bool:
+    """Whether NVIDIA's nvidia-ctk can write GPUs 0 and 2's own devices beside lost GPU
+    1: it looks each up by UUID, which fails for GPU 1's sake under `any`, and for GPU
+    2's under `walk` (its search meets GPU 1 first)."""
+    return reading == "target"
 
 
 def gpu_metrics(m: Machine) -> dict[str, float | None]:
@@ -531,20 +542,26 @@ def assert_degraded(m: Machine, uuids: list[str]) -> None:
     assert check["verdict"] == "degraded" and check["ok"] is False, check
     assert [(p["code"], p["path"]) for p in check["problems"]] == [
         ("gpu-lost", lost_node)], check["problems"]
-    assert check["gpus"] == {"listed": 3, "served": 2, "lost": [
-        {"index": LOST, "uuid": uuids[LOST], "device": lost_node,
-         "bus_id": simnvml.gpu_bus_id(LOST)}]}, check["gpus"]
+    lost = {"index": LOST, "uuid": uuids[LOST], "device": lost_node,
+            "bus_id": simnvml.gpu_bus_id(LOST)}
+    assert check["gpus"] == {
+        "listed": 3, "served": 2, "lost": [lost],
+        "unusable": [{**lost, "nvml_error": 15, "nvml_error_text": "GPU is lost"}],
+        "excluded": [], "node_error": None}, check["gpus"]
 
 
-def test_a_lost_gpu_degrades_the_node_and_pods_get_the_others(cri_node: Any) -> None:
-    """f. Issue 27, point 5: three GPUs in NVML mode, GPU 1 lost before the boot. The
-    setup succeeds at once (no restart), the spec serves GPUs 0 and 2 (and `all` of
-    them) and names nothing of GPU 1, containerd and kubelet start, a pod asking CRI for
-    nvidia.com/gpu=all gets those two and the driver, and check, the metrics and
-    STATUS= say degraded, naming GPU 1."""
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_a_lost_gpu_degrades_the_node_and_pods_get_the_others(cri_node: Any,
+                                                              reading: str) -> None:
+    """f. Issue 27, point 5, under each reading of NVML (issue 31): three GPUs in NVML
+    mode, GPU 1 lost before the boot. The setup succeeds at once (no restart), the spec
+    serves GPUs 0 and 2 (and `all` of them; their own devices where nvidia-ctk can look
+    them up by UUID) and names nothing of GPU 1, containerd and kubelet start, a pod
+    asking CRI for nvidia.com/gpu=all gets those two and the driver, and check, the
+    metrics and STATUS= say degraded, naming GPU 1."""
     start = time.monotonic()
     drv = fetch("bookworm")
-    cn = lost_gpu_node(cri_node, drv)
+    cn = lost_gpu_node(cri_node, drv, reading)
     uuids = list(cn.node.sim.nvml_gpus)
     healthy = [n for n in range(3) if n != LOST]
     lost_node = f"/dev/nvidia{LOST}"
@@ -561,11 +578,14 @@ def test_a_lost_gpu_degrades_the_node_and_pods_get_the_others(cri_node: Any) -> 
         assert snap[CONTAINERD]["ActiveState"] == snap[KUBELET]["ActiveState"] == "active"
         assert is_active(m) == "active"
         status = m.prop(SETUP, "StatusText")
-        assert status.startswith("Ready (degraded): serving 2 of 3 GPUs, "
+        assert status.startswith("Ready (degraded): the spec serves 2 of 3 GPUs, "
                                  f"GPU {LOST} ({uuids[LOST]}, {lost_node}"), status
 
         text = m.read_text(SPEC)
-        assert gpu_nodes(yaml.safe_load(text)) == expected_devices(uuids, healthy), text
+        want = expected_devices(uuids, healthy)
+        if not served_by_uuid(reading):
+            want = {"all": want["all"]}
+        assert gpu_nodes(yaml.safe_load(text)) == want, text
         assert lost_node not in text and uuids[LOST] not in text, text
 
         report = probe(c, "gpu-f", GPU)
@@ -578,27 +598,36 @@ def test_a_lost_gpu_degrades_the_node_and_pods_get_the_others(cri_node: Any) -> 
             'unbounded_nvidia_setup_check_problems{code="gpu-lost"}': 1,
             "unbounded_nvidia_setup_check_ok": 0,
             "unbounded_nvidia_setup_run_success": 1}, metric_values(m)
-        # nvidia-ctk failed at GPU 1's index and was asked again for the other two; the
-        # setup logged that as a warning naming the GPU, and no error.
+        # nvidia-ctk failed at GPU 1's index; NVML, asked by index, named GPU 1 alone;
+        # nvidia-ctk was asked again for the other two by UUID, and, where that failed
+        # for GPU 1's sake, through management mode. The setup logged a warning naming
+        # the GPU, and no error.
         journal = m.journal("--output=cat", unit=SETUP)
         assert f"error getting device handle for index '{LOST}': GPU is lost" in journal
         assert "--device-id=" + ",".join(uuids[n] for n in healthy) in journal, journal
+        assert ("--mode=management" in journal) != served_by_uuid(reading), journal
         warnings = m.journal("--priority=warning", "--output=cat", unit=SETUP)
         assert f"GPU {LOST} ({uuids[LOST]}, {lost_node}, {simnvml.gpu_bus_id(LOST)}) is " \
             "lost" in warnings, warnings
+        for n in healthy:
+            assert f"GPU {n} (" not in warnings, warnings
         assert m.journal("--priority=err", "--output=cat", unit=SETUP).strip() == ""
-        record_timing("cri lost gpu (f)", m, snap)
+        record_timing(f"cri lost gpu (f, {reading})", m, snap)
         c.remove_all()
-    timed("f (a lost GPU in NVML mode)", start)
+    timed(f"f (a lost GPU in NVML mode, {reading})", start)
 
 
-def test_a_lost_gpu_that_comes_back_is_served_after_a_reload(cri_node: Any) -> None:
-    """g. The node of f; GPU 1 comes back (a reset on the host), `systemctl reload
-    unbounded-nvidia-setup`: containerd and kubelet keep running, the spec, a new pod,
-    check, the metrics and STATUS= have all three GPUs."""
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_a_lost_gpu_that_comes_back_is_served_by_the_drift_check(cri_node: Any,
+                                                                 reading: str) -> None:
+    """g. The node of f; GPU 1 comes back (a reset on the host). The drift check's own
+    unit runs (as its timer starts it) and asks for the reload itself: containerd and
+    kubelet keep running, and the spec, a new pod, check, the metrics and STATUS= have
+    all three GPUs. Nobody calls `systemctl reload` (issue 31: the unit's
+    --reload-if-degraded had never run in a test)."""
     start = time.monotonic()
     drv = fetch("bookworm")
-    cn = lost_gpu_node(cri_node, drv)
+    cn = lost_gpu_node(cri_node, drv, reading)
     uuids = list(cn.node.sim.nvml_gpus)
     with cn.machine() as m:
         c = boot_ready(cn, m)
@@ -609,18 +638,27 @@ def test_a_lost_gpu_that_comes_back_is_served_after_a_reload(cri_node: Any) -> N
 
         simnvml.recover_gpu(cn.node.sim, LOST)
         sync_proc_driver(cn.node)
-        res = m.systemctl("reload", SETUP)
+        res = m.systemctl("start", CHECK_UNIT)
+        # A degraded node is not drift: the check's unit succeeds on check's exit 3.
         assert res.returncode == 0, res.stdout + res.stderr
+        assert m.prop(CHECK_UNIT, "Result") == "success"
+        m.wait_until(lambda: check_json(m)["verdict"] == "ready" or None,
+                     timeout=UP_TIMEOUT, what="the reload the check asked for",
+                     units=[SETUP, CHECK_UNIT])
+        journal = m.journal("--output=cat", unit=CHECK_UNIT)
+        assert f"asked for `systemctl reload {SETUP}`" in journal, journal
         text = m.read_text(SPEC)
         assert gpu_nodes(yaml.safe_load(text)) == expected_devices(uuids, [0, 1, 2]), text
         check = check_json(m)
-        assert check["verdict"] == "ready", check
-        assert check["gpus"] == {"listed": 3, "served": 3, "lost": []}, check["gpus"]
+        assert check["gpus"] == {"listed": 3, "served": 3, "lost": [], "unusable": [],
+                                 "excluded": [], "node_error": None}, check["gpus"]
+        m.systemctl("start", CHECK_UNIT)  # the metrics: written by the check's unit
         assert gpu_metrics(m) == {
             "unbounded_nvidia_setup_gpus": 3, "unbounded_nvidia_setup_gpus_served": 3,
             'unbounded_nvidia_setup_check_problems{code="gpu-lost"}': 0,
             "unbounded_nvidia_setup_check_ok": 1,
             "unbounded_nvidia_setup_run_success": 1}, metric_values(m)
+        assert metric_values(m).get("unbounded_nvidia_setup_reload_success") == 1
         assert {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)} == pids
         assert m.is_active(SETUP)
         report = probe(c, "gpu-g", GPU)
@@ -630,4 +668,4 @@ def test_a_lost_gpu_that_comes_back_is_served_after_a_reload(cri_node: Any) -> N
         # What `systemctl status` shows the operator: the reload's STATUS= (NotifyAccess=exec).
         status = m.prop(SETUP, "StatusText")
         assert status.startswith(f"Ready: spec refreshed for driver {drv.version}, "), status
-    timed("g (a lost GPU back, reload)", start)
+    timed(f"g (a lost GPU back, the drift check's reload, {reading})", start)
