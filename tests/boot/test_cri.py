@@ -669,3 +669,37 @@ def test_a_lost_gpu_that_comes_back_is_served_by_the_drift_check(cri_node: Any,
         status = m.prop(SETUP, "StatusText")
         assert status.startswith(f"Ready: spec refreshed for driver {drv.version}, "), status
     timed(f"g (a lost GPU back, the drift check's reload, {reading})", start)
+
+
+def test_a_node_without_a_usable_gpu_comes_up_and_serves_none(cri_node: Any) -> None:
+    """h. Issue 31, point 3: every GPU lost before the boot (any single-GPU node whose
+    GPU is lost is this node), NVML read at its strictest. Issue 27's product failed
+    every retry: the unit stayed activating, containerd and kubelet never started and
+    check said not-ready-yet, which tells the host agent to wait for ever. Now the setup
+    succeeds at once, containerd and kubelet start, no spec is installed, a pod asking
+    CRI for a GPU fails to start naming the device, and check says no-usable-gpu."""
+    start = time.monotonic()
+    drv = fetch("bookworm")
+    cn: CriNode = cri_node(drv, nvml=True, gpus=2, lost=[0, 1])
+    simnvml.set_reading(cn.node.sim, "any")
+    sync_proc_driver(cn.node)
+    with cn.machine() as m:
+        c = boot_ready(cn, m)
+        m.wait_until(lambda: m.is_active(KUBELET), timeout=UP_TIMEOUT, what="kubelet active",
+                     units=NODE_UNITS)
+        snap = snapshot(m)
+        s = snap[SETUP]
+        assert (s["ActiveState"], s["Result"], s["NRestarts"]) == ("active", "success", "0"), s
+        assert snap[CONTAINERD]["ActiveState"] == "active"
+        assert s["StatusText"].startswith("Up without GPUs: NVML can use none of the 2 GPUs"), s
+        assert m.exec("test", "-e", SPEC, check=False).returncode == 1
+        report = check_json(m)
+        assert report["verdict"] == "no-usable-gpu", report
+        assert {p["code"] for p in report["problems"]} == {"no-usable-gpu", "gpu-lost"}, report
+        with pytest.raises(cri.CriError) as failed:
+            c.run("gpu-h", ["true"], cdi=[GPU], timeout=POD_TIMEOUT)
+        assert "unresolvable CDI devices" in str(failed.value), failed.value
+        # The drift check's unit fails (exit 1): this node needs someone to act.
+        assert m.systemctl("start", CHECK_UNIT).returncode != 0
+        c.remove_all()
+    timed("h (no usable GPU)", start)
