@@ -482,7 +482,7 @@ def test_the_drift_checks_reloads_back_off() -> None:
     """A degraded node's drift check asks for a reload at once, then after 5 min,
     doubling up to an hour while the kernel shows no change; a change asks at once."""
     from unbounded_nvidia_setup import outcome
-    from unbounded_nvidia_setup.state import reload_due
+    from unbounded_nvidia_setup.drift import reload_due
 
     lost = (outcome.UnusableGpu(1, 15, "/dev/nvidia1"),)
 

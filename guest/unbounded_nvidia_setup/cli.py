@@ -113,9 +113,9 @@ def check(args: argparse.Namespace) -> int:
 
 
 def _reload_if_due(machine: Machine, report: Report) -> None:
+    from .drift import ask_for_reload, reload_due, reload_wait
     from .gpus import fingerprint
     from .outcome import when
-    from .state import ask_for_reload, reload_due, reload_wait
 
     last = report.last_run
     if reload_due(last, time.time(), fingerprint(machine)):

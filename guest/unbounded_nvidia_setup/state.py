@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, discover, driver, linker, log, outcome, searchorder, tree
-from .config import GPUS_DIR, Machine, load_yaml
+from . import devices, discover, driver, linker, outcome, searchorder, tree
+from .config import Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .problems import SERVING_CODES, WAITING_CODES, Problem
@@ -114,62 +114,6 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
     return lines[0].strip(), lines[1].strip()
 
 
-# The drift check's reloads on a degraded node back off: each asks NVML again, against
-# a GPU the host may be resetting (`nvidia-smi -r` needs a GPU without clients). The
-# first is asked at once; then 5 min (the timer's interval), doubling up to an hour. A
-# change in what the kernel shows of the GPUs asks at once again.
-RELOAD_BACKOFF_SECONDS = 300.0
-RELOAD_BACKOFF_MAX_SECONDS = 3600.0
-
-
-def reload_wait(last: outcome.Outcome) -> float:
-    """Seconds after the last asking of NVML before the drift check asks again."""
-    attempts = last.gpus.attempts
-    if attempts == 0:
-        return 0.0
-    return min(RELOAD_BACKOFF_SECONDS * 2.0 ** (attempts - 1), RELOAD_BACKOFF_MAX_SECONDS)
-
-
-def reload_due(last: outcome.Outcome | None, now: float, kernel: str | None) -> bool:
-    """Whether the drift check asks for a reload now: the live spec leaves GPUs out,
-    and the kernel's view of the GPUs changed or the backoff has passed."""
-    if last is None or last.failed or not last.gpus.degraded:
-        return False
-    if kernel is not None and last.gpus.kernel is not None and kernel != last.gpus.kernel:
-        return True
-    return now - last.last_attempt >= reload_wait(last)
-
-
-def ask_for_reload(machine: Machine) -> None:
-    """`systemctl reload --no-block` of the setup unit, for the drift check on a degraded
-    node: only NVML can tell that a lost GPU is back (a host-side reset), and only a run
-    asks it, so the timer's check asks for the reload that does (issue 27). It never
-    waits for it; a unit that is not active (a failed boot) cannot be reloaded and says
-    so in one warning."""
-    if not machine.is_live or not os.path.isdir("/run/systemd/system"):
-        log.warn("not the running system under systemd: no reload asked for")
-        return
-    import shutil
-
-    from .budget import Limit
-    from .run import run
-
-    systemctl = shutil.which("systemctl")
-    if systemctl is None:
-        log.warn("systemctl not found: no reload asked for")
-        return
-    try:
-        result = run([systemctl, "reload", "--no-block", UNIT], limit=Limit(10))
-    except Failure as e:
-        log.warn(f"could not ask for `systemctl reload {UNIT}`: {e.message}")
-        return
-    if result.ok:
-        log.info(f"degraded: asked for `systemctl reload {UNIT}`, which serves a GPU that "
-                 "is back")
-    else:
-        log.warn(f"`systemctl reload {UNIT}` failed ({result.why()})")
-
-
 def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
     """(document, None) or (None, why it could not be read)."""
     try:
@@ -271,13 +215,15 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
 
 def _check_spec(machine: Machine, report: Report, version: str | None,
                 gpus: outcome.Gpus) -> None:
+    from . import served  # a module a boot imports only where it works (served.py)
+
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
     if not section["present"]:
-        if not gpus.serves_none:  # else no spec is the run's own decision (_check_gpus)
+        if not gpus.serves_none:  # else no spec is the run's own decision (served.py)
             report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
-        _check_gpus(machine, report, None, gpus)
+        report.problems += served.check_gpus(machine, report.sections, None, gpus)
         return
     doc, why = _load(path, path.suffix == ".json")
     if why:
@@ -289,90 +235,11 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
     report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
-    _check_gpus(machine, report, doc, gpus)
+    report.problems += served.check_gpus(machine, report.sections, doc, gpus)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
         report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
                                        "devices (nvidia-cdi-refresh?)", str(shadow)))
-
-
-def _listed(machine: Machine) -> tuple[int, list[str]]:
-    """(the GPUs the module lists that NVML enumerates, the bus ids of those the host
-    excluded), read without gpus.py: a healthy node's every check and end-state proof
-    count them, and a module costs every boot about 5M instructions to import
-    (docs/performance.md)."""
-    top = machine.at(GPUS_DIR)
-    try:
-        buses = os.listdir(top)
-    except OSError:
-        return 0, []
-    excluded = []
-    for bus in buses:
-        try:
-            with open(top / bus / "information", "rb") as f:
-                text = f.read(1 << 14)
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(b":")
-            if key == b"GPU Excluded" and value.strip().lower() == b"yes":
-                excluded.append(bus)
-    return len(buses) - len(excluded), sorted(excluded)
-
-
-def _check_gpus(machine: Machine, report: Report, doc: Any, found: outcome.Gpus) -> None:
-    """Each GPU the last run found NVML could not use (outcome.py) and left out of the
-    spec is `gpu-lost` (NVML's GPU_IS_LOST) or `gpu-unusable` (another error) while the
-    spec still does not serve it: the verdict is `degraded` when nothing else is wrong.
-    No GPU usable at all is `no-usable-gpu`. Only a run asks NVML; check reads the run's
-    record, which names the GPUs of the live spec (a run proving its end state passes
-    its own). A GPU the spec leaves out for another reason (excluded on the host, a
-    MIG-enabled GPU without MIG devices, a GPU that arrived since) is not reported."""
-    if not found.degraded:
-        count, excluded = _listed(machine)
-        report.sections["gpus"] = {"listed": count, "served": count, "lost": [],
-                                   "unusable": [], "excluded": excluded, "node_error": None}
-        return
-    from . import gpus, nvml
-
-    kernel = gpus.kernel_gpus(machine)
-    listed = [g for g in kernel if not g.excluded]
-    served = gpus.served_minors(doc) if doc is not None else set()
-    count = len({g.minor for g in listed if g.minor in served})
-    left_out = [u for u in found.unusable
-                if found.serves_none or u.device is None
-                or gpus.node_path_minor(u.device) not in served]
-    entries = [{"index": u.index, "uuid": u.uuid, "device": u.device, "bus_id": u.bus_id,
-                "nvml_error": u.code, "nvml_error_text": nvml.TEXTS.get(u.code)}
-               for u in left_out]
-    report.sections["gpus"] = {
-        "listed": len(listed), "served": count,
-        "lost": [{k: e[k] for k in ("index", "uuid", "device", "bus_id")}
-                 for e in entries if e["nvml_error"] == nvml.GPU_IS_LOST],
-        "unusable": entries, "excluded": sorted(g.bus_id for g in kernel if g.excluded),
-        "node_error": found.node_error}
-    spec = machine.cdi_spec
-    for u in left_out:
-        what = ", ".join(x for x in (u.uuid, u.device, u.bus_id) if x)
-        name = f"GPU {u.index}" + (f" ({what})" if what else "")
-        text = nvml.TEXTS.get(u.code, "an NVML error")
-        code = "gpu-lost" if u.code == nvml.GPU_IS_LOST else "gpu-unusable"
-        why = ("lost (GPU_IS_LOST, Xid 79: fallen off the bus)" if u.code == nvml.GPU_IS_LOST
-               else f"unusable ({u.code}, {text})")
-        report.problems.append(Problem(
-            code, f"{name} is not in {spec}: NVML reported it {why} when the spec was "
-            f"generated; the spec serves {count} of {len(listed)} GPUs",
-            str(machine.at(u.device or "/dev"))))
-    if found.serves_none:
-        why = (f"NVML answered {found.node_error} "
-               f"({nvml.TEXTS.get(found.node_error, 'an NVML error')}), an error of the "
-               "attached GPUs, no single GPU's" if found.node_error is not None
-               else "NVML could use none of them")
-        report.problems.append(Problem(
-            "no-usable-gpu", f"this node serves none of its {len(listed)} GPUs: {why}; no "
-            f"CDI spec is installed at {spec}, so a pod that asks for nvidia.com/gpu fails "
-            "to start; keep GPU pods off this node and repair the host",
-            str(spec)))
 
 
 def _check_last_run(machine: Machine, report: Report) -> None:
