@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +307,167 @@ def test_nvidia_ctk_device_ids_in_a_walk(tmp_path: Path, nvidia_ctk: Path, code:
         result = generate("--device-id=0")
         assert result.returncode == 0, result.stderr
         assert {d["name"] for d in load(out)["devices"]} == {"0", m.nvml_gpus[0], "all"}
+
+
+# ------------------------------------------------- what NVIDIA's device plugin calls
+
+TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+INVALID, NOT_SUPPORTED, UNINITIALIZED = 2, 3, 1
+XID_EVENT, ECC_EVENTS = 0x8, 0x1 | 0x2  # nvmlEventTypeXidCriticalError, single/double ECC
+SUPPORTED_EVENTS = 0x10F  # ECC single and double, PState, Xid, MIG config change
+FULL_GPU = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a full GPU's event
+
+
+class EventData(ctypes.Structure):
+    """nvmlEventData_t (nvml.h)."""
+
+    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                ("eventData", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]
+
+
+class EventDataV1(ctypes.Structure):
+    """nvmlEventSetWait's (v1) data: no instance ids."""
+
+    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                ("eventData", ctypes.c_ulonglong)]
+
+
+def handle(nvml: Nvml, index: int) -> ctypes.c_void_p:
+    found = ctypes.c_void_p()
+    assert nvml.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(found)) == SUCCESS
+    return found
+
+
+def event_set(nvml: Nvml) -> ctypes.c_void_p:
+    made = ctypes.c_void_p()
+    assert nvml.lib.nvmlEventSetCreate(ctypes.byref(made)) == SUCCESS
+    return made
+
+
+def register(nvml: Nvml, device: ctypes.c_void_p, types: int,
+             events: ctypes.c_void_p | None) -> int:
+    return int(nvml.lib.nvmlDeviceRegisterEvents(device, ctypes.c_ulonglong(types), events))
+
+
+def wait(nvml: Nvml, events: ctypes.c_void_p, ms: int) -> tuple[int, EventData, float]:
+    """nvmlEventSetWait_v2: (code, data, seconds it took)."""
+    data = EventData()
+    start = time.monotonic()
+    code = nvml.lib.nvmlEventSetWait_v2(events, ctypes.byref(data), ms)
+    return int(code), data, time.monotonic() - start
+
+
+def test_the_device_plugins_other_calls_answer(machine: simgpu.SimMachine) -> None:
+    """The compute capability (an H100's 9.0), the supported events, an event set's life
+    and its arguments, as nvml.h documents each: NULL pointers 2, an unknown event type
+    2, a supported-by-NVML one this GPU lacks (Clock) 3, before init 1."""
+    nvml = Nvml(machine)
+    lib = nvml.lib
+    gpu = handle(nvml, 1)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == SUCCESS
+    assert (major.value, minor.value) == (9, 0)
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, None, ctypes.byref(minor)) == INVALID
+    assert lib.nvmlDeviceGetCudaComputeCapability(None, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == INVALID
+    types = ctypes.c_ulonglong()
+    assert lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(types)) == SUCCESS
+    assert types.value == SUPPORTED_EVENTS
+    assert lib.nvmlDeviceGetSupportedEventTypes(gpu, None) == INVALID
+    assert lib.nvmlEventSetCreate(None) == INVALID
+    events = event_set(nvml)
+    assert register(nvml, gpu, XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    assert register(nvml, gpu, 0x10000, events) == INVALID  # outside nvmlEventTypeAll
+    assert register(nvml, gpu, 0x10 | XID_EVENT, events) == NOT_SUPPORTED  # Clock: Kepler
+    assert register(nvml, gpu, XID_EVENT, None) == INVALID
+    assert lib.nvmlEventSetWait_v2(events, None, 0) == INVALID
+    assert lib.nvmlEventSetFree(events) == SUCCESS
+    assert lib.nvmlShutdown() == SUCCESS
+    assert lib.nvmlEventSetCreate(ctypes.byref(ctypes.c_void_p())) == UNINITIALIZED
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == UNINITIALIZED
+
+
+def test_an_event_wait_with_nothing_to_deliver_times_out(machine: simgpu.SimMachine) -> None:
+    """nvmlEventSetWait_v2 with nothing recorded waits its timeout, then answers 10; with
+    0 ms it answers at once. NVML's text for 10 is "Timeout"."""
+    nvml = Nvml(machine)
+    events = event_set(nvml)
+    for index in range(4):
+        assert register(nvml, handle(nvml, index), XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    code, _, took = wait(nvml, events, 300)
+    assert code == TIMEOUT and 0.29 <= took < 2, took
+    code, _, took = wait(nvml, events, 0)
+    assert code == TIMEOUT and took < 0.2, took
+    assert nvml.lib.nvmlErrorString(TIMEOUT) == b"Timeout"
+
+
+def test_an_xid_is_delivered_once_to_its_gpu(machine: simgpu.SimMachine) -> None:
+    """Xids delivered before a GPU registers are not recorded; one delivered while NVML
+    stays initialised comes once, as an Xid event with the Xid and that GPU's handle,
+    full-GPU instance ids; two come in order; an Xid delivered during a wait ends it;
+    the v1 wait delivers too; ``lose`` leaves the GPU lost at NVML's next first init."""
+    m = machine
+    simnvml.deliver_xid(m, 2, 31)  # before registration: not recorded
+    nvml = Nvml(m)
+    handles = [handle(nvml, index) for index in range(4)]
+    events = event_set(nvml)
+    for gpu in handles:
+        assert register(nvml, gpu, XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    assert wait(nvml, events, 0)[0] == TIMEOUT
+    simnvml.deliver_xid(m, 2, 79)
+    code, data, _ = wait(nvml, events, 1000)
+    assert code == SUCCESS
+    assert (data.eventType, data.eventData) == (XID_EVENT, 79)
+    assert data.device == handles[2].value
+    assert (data.gpuInstanceId, data.computeInstanceId) == (FULL_GPU, FULL_GPU)
+    buf = ctypes.create_string_buffer(96)
+    assert nvml.lib.nvmlDeviceGetUUID(ctypes.c_void_p(data.device), buf, 96) == SUCCESS
+    assert buf.value.decode() == m.nvml_gpus[2]
+    assert wait(nvml, events, 50)[0] == TIMEOUT  # once
+    simnvml.deliver_xid(m, 1, 48)
+    simnvml.deliver_xid(m, 1, 13)
+    got = [wait(nvml, events, 1000)[1] for _ in range(2)]
+    assert [(d.device, d.eventData) for d in got] == [(handles[1].value, 48),
+                                                      (handles[1].value, 13)]
+    timer = threading.Timer(0.3, simnvml.deliver_xid, (m, 3, 94))
+    timer.start()
+    code, data, took = wait(nvml, events, 5000)
+    timer.join()
+    assert (code, data.device, data.eventData) == (SUCCESS, handles[3].value, 94)
+    assert 0.25 < took < 2, took
+    simnvml.deliver_xid(m, 0, 63)
+    v1 = EventDataV1()
+    assert nvml.lib.nvmlEventSetWait(events, ctypes.byref(v1), 1000) == SUCCESS
+    assert (v1.device, v1.eventType, v1.eventData) == (handles[0].value, XID_EVENT, 63)
+    simnvml.deliver_xid(m, 2, 79, lose=True)
+    assert wait(nvml, events, 1000)[1].eventData == 79
+    assert nvml.by_index(2) == SUCCESS  # still initialised: the state of its first init
+    assert nvml.lib.nvmlEventSetFree(events) == SUCCESS
+    nvml.restart()
+    assert nvml.by_index(2) == simnvml.GPU_IS_LOST
+
+
+@pytest.mark.parametrize("code", (15, 8))
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_registering_a_failing_gpu_answers_as_the_reading_says(
+        machine: simgpu.SimMachine, reading: str, code: int) -> None:
+    """Handles taken while every GPU answered, then GPU 2 fails with ``code`` (seen at a
+    first init): registering events, and asking which are supported, answer as a lookup
+    of that GPU by index does in the reading: 15 for GPU 2 alone; 8 for GPU 2 alone in
+    target, for every GPU in walk and any (the header's "any attached devices")."""
+    m = machine
+    simnvml.set_reading(m, reading)
+    nvml = Nvml(m)
+    handles = [handle(nvml, index) for index in range(4)]
+    simnvml.fail_gpu(m, FAILING, code)
+    nvml.restart()
+    everywhere = reading != "target" and code in MACHINE_WIDE
+    expected = [code if everywhere or i == FAILING else SUCCESS for i in range(4)]
+    events = event_set(nvml)
+    assert [register(nvml, gpu, XID_EVENT, events) for gpu in handles] == expected
+    types = ctypes.c_ulonglong()
+    assert [nvml.lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(types))
+            for gpu in handles] == expected
