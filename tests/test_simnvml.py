@@ -13,10 +13,13 @@ is bus order, not minor order.
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,8 @@ from test_fake_nvidia_ctk import TOOLS, clean_env, last_error, load
 
 import simgpu
 import simnvml
-from conftest import needs_root
+import toolkit
+from conftest import Cli, needs_root
 
 pytestmark = needs_root
 
@@ -471,3 +475,192 @@ def test_registering_a_failing_gpu_answers_as_the_reading_says(
     types = ctypes.c_ulonglong()
     assert [nvml.lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(types))
             for gpu in handles] == expected
+
+
+# ------------------------------------------------- the state directory, in a namespace
+
+_NVML_PROBE = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+out = {"init": lib.nvmlInit_v2()}
+if out["init"] == 0:
+    count, h, buf = ctypes.c_uint(), ctypes.c_void_p(), ctypes.create_string_buffer(96)
+    lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    out["uuids"], out["by_index"], handles = [], [], []
+    for i in range(count.value):
+        out["by_index"].append(lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)))
+        handles.append(ctypes.c_void_p(h.value))
+    for i, gpu in enumerate(handles):
+        if out["by_index"][i] == 0:
+            lib.nvmlDeviceGetUUID(gpu, buf, 96)
+            out["uuids"].append(buf.value.decode())
+    events = ctypes.c_void_p()
+    lib.nvmlEventSetCreate(ctypes.byref(events))
+    for i, gpu in enumerate(handles):
+        if out["by_index"][i] == 0:
+            lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(8), events)
+    print("registered", flush=True)
+    data = (ctypes.c_ulonglong * 4)()  # device, type, Xid, the two instance ids
+    out["wait"] = lib.nvmlEventSetWait_v2(events, data, 5000)
+    if out["wait"] == 0:
+        lib.nvmlDeviceGetUUID(ctypes.c_void_p(data[0]), buf, 96)
+        out["event"] = [buf.value.decode(), data[1], data[2]]
+print(json.dumps(out), flush=True)
+"""
+
+# A private /run and /dev: the host's stay untouched. $1 the machine's root, $2 "state"
+# to bind its proc/driver at /run/simulated-nvml (read-only), $3 "ctl" for a /dev/nvidiactl
+_CONTAINER_SETUP = """set -e
+mount -t tmpfs tmpfs /run
+mount -t tmpfs -o mode=755 tmpfs /dev
+mknod -m 666 /dev/null c 1 3
+if [ "$2" = state ]; then
+    mkdir /run/simulated-nvml
+    mount --bind "$1/proc/driver" /run/simulated-nvml
+    mount -o remount,bind,ro /run/simulated-nvml
+fi
+if [ "$3" = ctl ]; then cp -a "$1/dev/nvidiactl" /dev/nvidiactl; fi
+shift 3
+exec "$@"
+"""
+
+
+def _namespace_unavailable() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare not installed (util-linux)"
+    return None
+
+
+def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
+                                               tmp_path: Path) -> None:
+    """The library loaded from a container's path (/driver-root/lib/..., neither
+    /run/nvidia/ nor /run/host-nvidia/ in it: P is "") in a private mount namespace with
+    its own /run and /dev. Without /run/simulated-nvml it reads that namespace's
+    /proc/driver (this host's: no NVIDIA module) and answers 9; with the machine's
+    proc/driver bound there read-only it answers for the machine's GPUs, GPU 1 lost, and
+    delivers an Xid to GPU 3 from the GPU's xid-events there; without /dev/nvidiactl in
+    the caller's /dev it answers 9 even so."""
+    why = _namespace_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    m = machine
+    simnvml.lose_gpu(m, 1)
+    name = f"libnvidia-ml.so.{m.version}"
+    lib = tmp_path / "driver-root" / "lib" / "x86_64-linux-gnu" / name
+    lib.parent.mkdir(parents=True)
+    shutil.copy2(m.lib_dir / name, lib)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_NVML_PROBE)
+
+    def run(state: bool, ctl: bool, xid_to: int | None = None) -> dict[str, Any]:
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                _CONTAINER_SETUP, "setup", str(m.root), "state" if state else "-",
+                "ctl" if ctl else "-", sys.executable, str(probe), str(lib)]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) as proc:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            if first == "registered\n" and xid_to is not None:
+                simnvml.deliver_xid(m, xid_to, 45)
+            rest, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        result: dict[str, Any] = json.loads((first + rest).splitlines()[-1])
+        return result
+
+    assert run(state=False, ctl=True) == {"init": 9}
+    seen = run(state=True, ctl=True, xid_to=3)
+    healthy = [u for i, u in enumerate(m.nvml_gpus) if i != 1]
+    assert seen == {"init": 0, "uuids": healthy, "by_index": [0, 15, 0, 0], "wait": 0,
+                    "event": [m.nvml_gpus[3], XID_EVENT, 45]}
+    assert run(state=True, ctl=False) == {"init": 9}
+
+
+# ------------------------------------------------- NVIDIA's real device plugin
+
+PLUGIN_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
+# $1 root, $2 where the spec goes (/var/run/cdi), $3 where its socket goes: private
+# /run, /var/lib and /dev (the machine's nodes), so nothing of the host's is touched
+_PLUGIN_SETUP = """set -e
+mount -t tmpfs tmpfs /run
+mkdir -p /run/cdi
+mount --bind "$2" /run/cdi
+mount -t tmpfs tmpfs /var/lib
+mkdir -p /var/lib/kubelet/device-plugins
+mount --bind "$3" /var/lib/kubelet/device-plugins
+mount -t tmpfs -o mode=755 tmpfs /dev
+cp -a "$1/dev/." /dev/
+mknod -m 666 /dev/null c 1 3
+mknod -m 666 /dev/zero c 1 5
+mknod -m 666 /dev/random c 1 8
+mknod -m 666 /dev/urandom c 1 9
+shift 3
+exec "$@"
+"""
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_nvidia_device_plugin_runs_with_health_checks(tmp_path: Path, cli: Cli) -> None:
+    """NVIDIA's real device plugin v0.20.0, health checks on, against the product's
+    driver root and this library (as a plain process, in a private mount namespace): it
+    no longer dies with a symbol lookup error, writes its spec with one device per GPU
+    UUID, serves its socket, marks a GPU unhealthy for an Xid 48 delivered to it while
+    it runs and no other, and is still running after its first 5 s event wait."""
+    plugin = toolkit.plugin_binary()
+    if plugin is None:
+        pytest.skip(f"NVIDIA's device plugin is not beside the checkout "
+                    f"({toolkit.SHARED_PLUGIN}) and {toolkit.PLUGIN_ENV} names none")
+    why = _namespace_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    m = four_gpus(tmp_path)
+    m.write_config()
+    assert cli(m.root, "run").code == 0
+    cdi, sockets, log = tmp_path / "cdi", tmp_path / "device-plugins", tmp_path / "plugin.log"
+    cdi.mkdir()
+    sockets.mkdir()
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PLUGIN_SETUP,
+            "setup", str(m.root), str(cdi), str(sockets), str(plugin),
+            "--device-list-strategy=cdi-cri", f"--container-driver-root={m.driver_root}",
+            "--nvidia-driver-root=/run/nvidia/driver",
+            f"--nvidia-cdi-hook-path={toolkit.NVIDIA_CDI_HOOK}", "--kubelet-socket="]
+    env = {k: v for k, v in clean_env().items() if not k.startswith("DP_")}
+    spec = cdi / PLUGIN_SPEC
+    unhealthy = f"XidCriticalError: Xid=48 on Device={m.nvml_gpus[1]}"
+    with open(log, "w") as out, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                 env=env) as proc:
+        started = time.monotonic()
+        try:
+            assert _wait_for(lambda: spec.exists() or proc.poll() is not None, 30), \
+                log.read_text()
+            assert proc.poll() is None, log.read_text()
+            # Its health checks register after it serves; an Xid before that is not
+            # recorded, so deliver until one is seen.
+            for _ in range(10):
+                simnvml.deliver_xid(m, 1, 48)
+                if _wait_for(lambda: unhealthy in log.read_text(), 2):
+                    break
+            # Past its first 5 s event wait: a timeout must not read as an error (that
+            # would mark every GPU unhealthy).
+            time.sleep(max(0.0, started + 6.5 - time.monotonic()))
+            assert proc.poll() is None, log.read_text()
+            assert (sockets / "nvidia-gpu.sock").is_socket()  # it serves (gone once stopped)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert "symbol lookup error" not in text, text
+    assert "Ignoring the following XIDs for health checks" in text, text
+    assert unhealthy in text, text
+    assert "Error waiting for event" not in text, text
+    assert not any(f"Device={u}" in text for i, u in enumerate(m.nvml_gpus) if i != 1), text
+    doc = json.loads(spec.read_text())
+    assert doc["kind"] == "k8s.device-plugin.nvidia.com/gpu"
+    assert sorted(d["name"] for d in doc["devices"]) == sorted(m.nvml_gpus)
