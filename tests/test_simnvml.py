@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -615,7 +616,9 @@ def test_nvidia_device_plugin_runs_with_health_checks(tmp_path: Path, cli: Cli) 
     it runs and no other, and is still running after its first 5 s event wait."""
     plugin = toolkit.plugin_binary()
     if plugin is None:
-        pytest.skip(f"NVIDIA's device plugin is not beside the checkout "
+        named = os.environ.get(toolkit.PLUGIN_ENV)
+        pytest.skip(f"{toolkit.PLUGIN_ENV}={named}: not an executable file" if named else
+                    f"NVIDIA's device plugin is not beside the checkout "
                     f"({toolkit.SHARED_PLUGIN}) and {toolkit.PLUGIN_ENV} names none")
     why = _namespace_unavailable()
     if why is not None:
