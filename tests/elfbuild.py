@@ -97,6 +97,10 @@ NVML_ENTRY_POINTS = (
     "nvmlGpuInstanceGetInfo", "nvmlGpuInstanceGetComputeInstanceById",
     "nvmlGpuInstanceGetComputeInstanceProfileInfo", "nvmlComputeInstanceGetInfo",
     "nvmlComputeInstanceGetInfo_v2",
+    # NVIDIA's device plugin v0.20.0 binds these too (its device map and health checks)
+    "nvmlDeviceGetCudaComputeCapability", "nvmlEventSetCreate", "nvmlEventSetFree",
+    "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
+    "nvmlEventSetWait_v2",
 )
 NVML_SOURCE_FILE = Path(__file__).resolve().parent / "simnvml.c"
 _NVML_SOURCE = NVML_SOURCE_FILE.read_text()

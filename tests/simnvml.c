@@ -16,6 +16,19 @@
  * found when the library is loaded and kept as an O_PATH descriptor, so a caller that
  * loads it and then chroots (the stand-in isolates NVML's init so) still reads P.
  *
+ * The state directory, the one difference from a real node: when the directory
+ * /run/simulated-nvml exists in the caller's mount namespace when the library is loaded
+ * (kept as an O_PATH descriptor, like P), the module's files below, written here as
+ * P/proc/driver/..., are read from /run/simulated-nvml/... instead (nvidia/gpus/<bus>/...,
+ * nvidia/simulated-nvml-reading; a test bind-mounts a machine's proc/driver there,
+ * read-only). It is for a container: a real NVML reads the host kernel's /proc/driver,
+ * which is not namespaced, so a container sees the host's module through it; runc mounts
+ * a fresh /proc in a container (this host's kernel lists no NVIDIA module there) and
+ * refuses bind mounts under /proc, and a library at /driver-root/lib/... has P = "", so
+ * without the directory it would read the container's empty /proc and answer 9.
+ * P/dev/nvidiactl is still read where it was (in a container, P = "": the container's
+ * own /dev, a CDI-injected node). Without the directory nothing changes.
+ *
  * State, read again at every first nvmlInit* (refcount 0 -> 1; nvidia-ctk inits and
  * shuts NVML down several times per run):
  *   P/dev/nvidiactl             must be a character device (the node NVML talks to the
@@ -68,6 +81,24 @@
  *            by UUID (GPU or MIG)         else E of the first GPU with an error, whatever
  *                                         the target; none: the target, or 6
  *
+ * The event API (what NVIDIA's device plugin's health checks call): every GPU supports
+ * single- and double-bit ECC, PState, Xid and MIG-config events (0x10F).
+ * nvmlDeviceRegisterEvents and nvmlDeviceGetSupportedEventTypes on a GPU with an error
+ * answer as a lookup of that GPU by index does in the machine's reading (the header ties
+ * their GPU_IS_LOST to "the target GPU"); a MIG device's handle stands for its GPU. Types
+ * outside nvmlEventTypeAll answer 2; a supported-but-unlisted type 3, registering none.
+ * Xid events come from a third per-GPU file, read again at every wait (NVML stays
+ * initialised while a device plugin runs, so its state must not wait for a first init):
+ *   P/proc/driver/nvidia/gpus/<bus>/xid-events   one Xid (decimal) a line, appended; a
+ *                                                line that does not parse is Xid 999
+ * An event set registered for Xid events on a GPU remembers how many lines that file had
+ * then ("events that occurred before this call are not recorded") and delivers each later
+ * line once, in order, GPUs in index order: eventType nvmlEventTypeXidCriticalError (8),
+ * eventData the Xid, device the GPU's handle, gpuInstanceId and computeInstanceId
+ * 0xFFFFFFFF (a full GPU's). The library only reads the file, so it works read-only.
+ * nvmlEventSetWait_v2 (and nvmlEventSetWait, whose data lacks the instance ids) with
+ * nothing to deliver looks again every 5 ms and answers 10, Timeout, after timeoutms.
+ *
  * Lookups check their arguments first: a NULL pointer, an index >= count or a bus id that
  * does not parse answer 2, Invalid Argument, in every reading; a bus id no GPU has answers
  * 6, Not Found, unless an error above applies.
@@ -88,6 +119,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define NVML_API __attribute__((visibility("default")))
@@ -105,6 +137,7 @@ enum {
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_INSUFFICIENT_POWER = 8,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_IRQ_ISSUE = 11,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_UNKNOWN = 999,
@@ -201,7 +234,10 @@ enum reading { READ_TARGET, READ_WALK, READ_ANY };
 static enum reading reading;
 static int refcount;
 static int machine_fd = -1; /* O_PATH descriptor of P ("" -> "/") */
+static int state_fd = -1;   /* O_PATH descriptor of STATE_DIR, when it exists at load */
 static char own_path[PATH_MAX];
+
+#define STATE_DIR "/run/simulated-nvml"
 
 static void anchor(void) {}
 
@@ -214,6 +250,8 @@ static void find_machine(void)
     char *cut = NULL;
     if (machine_fd >= 0)
         return;
+    if (state_fd < 0)
+        state_fd = open(STATE_DIR, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (!dladdr((void *)anchor, &info) || info.dli_fname == NULL)
         return;
     if (realpath(info.dli_fname, real) == NULL)
@@ -231,9 +269,20 @@ static void find_machine(void)
 
 __attribute__((constructor)) static void loaded(void) { find_machine(); }
 
-static int read_at(const char *rel, char *buf, size_t size)
+/* Open a file of the kernel module's, ``rel`` under /proc/driver ("nvidia/gpus/..."):
+ * under STATE_DIR when it was there at load, else under P/proc/driver. */
+static int open_driver(const char *rel, int flags)
 {
-    int fd = openat(machine_fd, rel, O_RDONLY | O_CLOEXEC);
+    char path[PATH_MAX];
+    if (state_fd >= 0)
+        return openat(state_fd, rel, flags | O_CLOEXEC);
+    snprintf(path, sizeof path, "proc/driver/%s", rel);
+    return openat(machine_fd, path, flags | O_CLOEXEC);
+}
+
+static int read_driver(const char *rel, char *buf, size_t size)
+{
+    int fd = open_driver(rel, O_RDONLY);
     if (fd < 0)
         return -1;
     ssize_t n = read(fd, buf, size - 1);
@@ -287,8 +336,8 @@ static unsigned gi_slices(unsigned profile)
 static void read_sim_state(nvmlDevice_t gpu, unsigned g)
 {
     char path[128], text[8192];
-    snprintf(path, sizeof path, "proc/driver/nvidia/gpus/%s/simulated-nvml", gpu->bus);
-    if (read_at(path, text, sizeof text) < 0)
+    snprintf(path, sizeof path, "nvidia/gpus/%s/simulated-nvml", gpu->bus);
+    if (read_driver(path, text, sizeof text) < 0)
         return;
     char *save = NULL;
     for (char *line = strtok_r(text, "\n", &save); line != NULL;
@@ -329,7 +378,7 @@ static int read_reading(void)
 {
     char text[64];
     reading = READ_TARGET;
-    if (read_at("proc/driver/nvidia/simulated-nvml-reading", text, sizeof text) < 0)
+    if (read_driver("nvidia/simulated-nvml-reading", text, sizeof text) < 0)
         return NVML_SUCCESS;
     text[strcspn(text, " \t\r\n")] = '\0';
     if (strcmp(text, "target") == 0)
@@ -362,7 +411,7 @@ static int load_machine(void)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     if (read_reading() != NVML_SUCCESS)
         return NVML_ERROR_UNKNOWN;
-    int dfd = openat(machine_fd, "proc/driver/nvidia/gpus", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dfd = open_driver("nvidia/gpus", O_RDONLY | O_DIRECTORY);
     if (dfd < 0)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     DIR *dir = fdopendir(dfd);
@@ -378,9 +427,9 @@ static int load_machine(void)
     qsort(names, n, sizeof names[0], by_name);
     for (unsigned i = 0; i < n; i++) {
         char path[PATH_MAX], text[8192], uuid[96], minor[32], model[96], excluded[16];
-        snprintf(path, sizeof path, "proc/driver/nvidia/gpus/%s/information", names[i]);
+        snprintf(path, sizeof path, "nvidia/gpus/%s/information", names[i]);
         if (gpu_count < MAX_GPUS && strlen(names[i]) < sizeof gpus[0].bus &&
-            read_at(path, text, sizeof text) >= 0) {
+            read_driver(path, text, sizeof text) >= 0) {
             field(text, "GPU UUID", uuid, sizeof uuid);
             field(text, "Device Minor", minor, sizeof minor);
             field(text, "Model", model, sizeof model);
@@ -966,4 +1015,206 @@ NVML_API int nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInstance,
                                         nvmlComputeInstanceInfo_t *info)
 {
     return nvmlComputeInstanceGetInfo_v2(computeInstance, info);
+}
+
+/* ---------------------------------------------------------------- CUDA */
+
+NVML_API int nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    NEEDS_DEVICE(device);
+    if (major == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 9; /* H100: sm_90 */
+    *minor = 0;
+    return NVML_SUCCESS;
+}
+
+/* ---------------------------------------------------------------- events */
+
+#define EVENT_SINGLE_BIT_ECC 0x1ULL
+#define EVENT_DOUBLE_BIT_ECC 0x2ULL
+#define EVENT_PSTATE 0x4ULL
+#define EVENT_XID 0x8ULL
+#define EVENT_MIG_CONFIG 0x100ULL
+#define EVENT_ALL 0xFF9FULL /* nvmlEventTypeAll */
+/* What an H100 supports here (nvmlDeviceGetSupportedEventTypes). */
+#define EVENT_SUPPORTED (EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC | EVENT_PSTATE | EVENT_XID | \
+                         EVENT_MIG_CONFIG)
+#define MAX_SETS 64
+#define NO_INSTANCE 0xFFFFFFFFU
+#define POLL_NS 5000000L /* 5 ms between looks at the xid-events files */
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+} nvmlEventData_v1_t;
+
+typedef struct nvmlEventSet_st {
+    int used;
+    unsigned long long mask[MAX_GPUS]; /* registered types, by GPU slot */
+    char bus[MAX_GPUS][32];            /* the GPU's directory when it registered */
+    unsigned seen[MAX_GPUS];           /* its xid-events lines already past */
+} *nvmlEventSet_t;
+
+static struct nvmlEventSet_st sets[MAX_SETS];
+
+static int valid_set(nvmlEventSet_t set)
+{
+    return set != NULL && set >= &sets[0] && set < &sets[MAX_SETS] && set->used;
+}
+
+/* The Xids in nvidia/gpus/<bus>/xid-events, one decimal a line, in order; the count
+ * read, at most max (a line that does not parse counts, as 999: an unknown Xid). */
+static unsigned read_xids(const char *bus, unsigned long long *xids, unsigned max)
+{
+    char path[128], text[16384];
+    unsigned n = 0;
+    snprintf(path, sizeof path, "nvidia/gpus/%s/xid-events", bus);
+    if (read_driver(path, text, sizeof text) < 0)
+        return 0;
+    for (char *line = text; *line && n < max;) {
+        size_t len = strcspn(line, "\n");
+        if (line[len] != '\n')
+            break; /* a line still being written */
+        char *end;
+        unsigned long long xid = strtoull(line, &end, 10);
+        xids[n++] = end == line ? 999 : xid;
+        line += len + 1;
+    }
+    return n;
+}
+
+NVML_API int nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    NEEDS_INIT();
+    if (set == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < MAX_SETS; i++) {
+        if (!sets[i].used) {
+            memset(&sets[i], 0, sizeof sets[i]);
+            sets[i].used = 1;
+            *set = &sets[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_UNKNOWN;
+}
+
+NVML_API int nvmlEventSetFree(nvmlEventSet_t set)
+{
+    NEEDS_INIT();
+    if (!valid_set(set))
+        return NVML_ERROR_UNKNOWN;
+    set->used = 0;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    NEEDS_DEVICE(device);
+    if (eventTypes == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlDevice_t gpu = device->is_mig ? device->parent : device;
+    int ret = target_error(gpu_slot(gpu));
+    if (ret != NVML_SUCCESS)
+        return ret;
+    *eventTypes = EVENT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+NVML_API int nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                      nvmlEventSet_t set)
+{
+    NEEDS_DEVICE(device);
+    if (!valid_set(set) || (eventTypes & ~EVENT_ALL) != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlDevice_t gpu = device->is_mig ? device->parent : device;
+    unsigned g = gpu_slot(gpu);
+    int ret = target_error(g);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if ((eventTypes & ~EVENT_SUPPORTED) != 0)
+        return NVML_ERROR_NOT_SUPPORTED; /* none of them is registered */
+    if ((eventTypes & EVENT_XID) && !(set->mask[g] & EVENT_XID)) {
+        /* "All events that occurred before this call are not recorded." */
+        unsigned long long xids[1024];
+        snprintf(set->bus[g], sizeof set->bus[g], "%s", gpu->bus);
+        set->seen[g] = read_xids(gpu->bus, xids, 1024);
+    }
+    set->mask[g] |= eventTypes;
+    return NVML_SUCCESS;
+}
+
+/* The next Xid recorded for the set, if any: the GPU's handle and the Xid. */
+static int next_xid(nvmlEventSet_t set, nvmlDevice_t *device, unsigned long long *xid)
+{
+    for (unsigned g = 0; g < MAX_GPUS; g++) {
+        unsigned long long xids[1024];
+        if (!(set->mask[g] & EVENT_XID))
+            continue;
+        unsigned n = read_xids(set->bus[g], xids, 1024);
+        if (n > set->seen[g]) {
+            *xid = xids[set->seen[g]++];
+            *device = &gpus[g];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int wait_event(nvmlEventSet_t set, nvmlEventData_t *data, unsigned timeoutms)
+{
+    NEEDS_INIT();
+    if (data == NULL || !valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    long long deadline = now_ns() + (long long)timeoutms * 1000000LL;
+    for (;;) {
+        nvmlDevice_t device;
+        unsigned long long xid;
+        if (next_xid(set, &device, &xid)) {
+            data->device = device;
+            data->eventType = EVENT_XID;
+            data->eventData = xid;
+            data->gpuInstanceId = NO_INSTANCE;
+            data->computeInstanceId = NO_INSTANCE;
+            return NVML_SUCCESS;
+        }
+        long long left = deadline - now_ns();
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        struct timespec pause = {0, left < POLL_NS ? left : POLL_NS};
+        nanosleep(&pause, NULL);
+    }
+}
+
+NVML_API int nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return wait_event(set, data, timeoutms);
+}
+
+NVML_API int nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeoutms)
+{
+    nvmlEventData_t full;
+    if (data == NULL)
+        return wait_event(set, NULL, timeoutms);
+    int ret = wait_event(set, &full, timeoutms);
+    if (ret == NVML_SUCCESS) {
+        data->device = full.device;
+        data->eventType = full.eventType;
+        data->eventData = full.eventData;
+    }
+    return ret;
 }

@@ -10,10 +10,14 @@ The simulated NVML reads, for each GPU, the module's own
 file of its own state (``error <code>``, ``lost``, ``mig``, ``mig-device ...``), and the
 machine-wide ``proc/driver/nvidia/simulated-nvml-reading`` (``target``, ``walk``,
 ``any``: how strictly it reads NVML's header on which lookups a GPU's error fails; the
-table is in tests/simnvml.c). ``SimMachine.nvml_gpus`` stays the GPUs' uuids in NVML
-index order (bus id order, excluded GPUs left out) after every change made here; where a
-test moves a GPU's bus id (:func:`move_gpu_bus`), index and minor differ and
-:func:`gpu_bus_id` no longer names its bus: ask :func:`bus_of` and :func:`nvml_index`."""
+table is in tests/simnvml.c), all read again at NVML's first init; and an
+``xid-events`` file per GPU (:func:`deliver_xid`), read again at every event wait. In a
+container the library reads these from :data:`STATE_DIR` when it exists (a test
+bind-mounts the machine's ``proc/driver`` there; tests/simnvml.c says why).
+``SimMachine.nvml_gpus`` stays the GPUs' uuids in NVML index order (bus id order,
+excluded GPUs left out) after every change made here; where a test moves a GPU's bus id
+(:func:`move_gpu_bus`), index and minor differ and :func:`gpu_bus_id` no longer names
+its bus: ask :func:`bus_of` and :func:`nvml_index`."""
 
 from __future__ import annotations
 
@@ -210,6 +214,25 @@ def recover_gpu(m: SimMachine, minor: int) -> None:
     """The GPU at /dev/nvidia<minor> is back (reset): whatever error it had, NVML answers
     for it again."""
     _write_state(m, minor, [line for line in _state_lines(m, minor) if not _is_error(line)])
+
+
+XID_EVENTS = "xid-events"  # beside each information file (tests/simnvml.c)
+STATE_DIR = Path("/run/simulated-nvml")  # where a container's NVML reads proc/driver
+
+
+def deliver_xid(m: SimMachine, minor: int, xid: int, *, lose: bool = False) -> None:
+    """The GPU at /dev/nvidia<minor> reports Xid ``xid``: every NVML event set registered
+    for its Xid events delivers it once, at its next nvmlEventSetWait_v2, as an
+    nvmlEventTypeXidCriticalError with eventData ``xid`` and that GPU's handle, while
+    NVML stays initialised (the library reads the GPU's ``xid-events`` file again at
+    every wait). ``lose``: the GPU then falls off the bus as after an Xid 79
+    (:func:`lose_gpu`, seen at NVML's next first init)."""
+    if not 0 <= xid < 2**64:
+        raise ValueError(f"Xid {xid}: an nvmlEventData_t eventData is an unsigned 64-bit value")
+    with open(_gpu_dir(m, minor) / XID_EVENTS, "a") as events:
+        events.write(f"{xid}\n")  # one write: a waiting NVML never sees half a line
+    if lose:
+        lose_gpu(m, minor)
 
 
 def exclude_gpu(m: SimMachine, minor: int) -> None:

@@ -13,8 +13,14 @@ is bus order, not minor order.
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import shutil
 import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,8 @@ from test_fake_nvidia_ctk import TOOLS, clean_env, last_error, load
 
 import simgpu
 import simnvml
-from conftest import needs_root
+import toolkit
+from conftest import Cli, needs_root
 
 pytestmark = needs_root
 
@@ -305,3 +312,358 @@ def test_nvidia_ctk_device_ids_in_a_walk(tmp_path: Path, nvidia_ctk: Path, code:
         result = generate("--device-id=0")
         assert result.returncode == 0, result.stderr
         assert {d["name"] for d in load(out)["devices"]} == {"0", m.nvml_gpus[0], "all"}
+
+
+# ------------------------------------------------- what NVIDIA's device plugin calls
+
+TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+INVALID, NOT_SUPPORTED, UNINITIALIZED = 2, 3, 1
+XID_EVENT, ECC_EVENTS = 0x8, 0x1 | 0x2  # nvmlEventTypeXidCriticalError, single/double ECC
+SUPPORTED_EVENTS = 0x10F  # ECC single and double, PState, Xid, MIG config change
+FULL_GPU = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a full GPU's event
+
+
+class EventData(ctypes.Structure):
+    """nvmlEventData_t (nvml.h)."""
+
+    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                ("eventData", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]
+
+
+class EventDataV1(ctypes.Structure):
+    """nvmlEventSetWait's (v1) data: no instance ids."""
+
+    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                ("eventData", ctypes.c_ulonglong)]
+
+
+def handle(nvml: Nvml, index: int) -> ctypes.c_void_p:
+    found = ctypes.c_void_p()
+    assert nvml.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(found)) == SUCCESS
+    return found
+
+
+def event_set(nvml: Nvml) -> ctypes.c_void_p:
+    made = ctypes.c_void_p()
+    assert nvml.lib.nvmlEventSetCreate(ctypes.byref(made)) == SUCCESS
+    return made
+
+
+def register(nvml: Nvml, device: ctypes.c_void_p, types: int,
+             events: ctypes.c_void_p | None) -> int:
+    return int(nvml.lib.nvmlDeviceRegisterEvents(device, ctypes.c_ulonglong(types), events))
+
+
+def wait(nvml: Nvml, events: ctypes.c_void_p, ms: int) -> tuple[int, EventData, float]:
+    """nvmlEventSetWait_v2: (code, data, seconds it took)."""
+    data = EventData()
+    start = time.monotonic()
+    code = nvml.lib.nvmlEventSetWait_v2(events, ctypes.byref(data), ms)
+    return int(code), data, time.monotonic() - start
+
+
+def test_the_device_plugins_other_calls_answer(machine: simgpu.SimMachine) -> None:
+    """The compute capability (an H100's 9.0), the supported events, an event set's life
+    and its arguments, as nvml.h documents each: NULL pointers 2, an unknown event type
+    2, a supported-by-NVML one this GPU lacks (Clock) 3, before init 1."""
+    nvml = Nvml(machine)
+    lib = nvml.lib
+    gpu = handle(nvml, 1)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == SUCCESS
+    assert (major.value, minor.value) == (9, 0)
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, None, ctypes.byref(minor)) == INVALID
+    assert lib.nvmlDeviceGetCudaComputeCapability(None, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == INVALID
+    types = ctypes.c_ulonglong()
+    assert lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(types)) == SUCCESS
+    assert types.value == SUPPORTED_EVENTS
+    assert lib.nvmlDeviceGetSupportedEventTypes(gpu, None) == INVALID
+    assert lib.nvmlEventSetCreate(None) == INVALID
+    events = event_set(nvml)
+    assert register(nvml, gpu, XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    assert register(nvml, gpu, 0x10000, events) == INVALID  # outside nvmlEventTypeAll
+    assert register(nvml, gpu, 0x10 | XID_EVENT, events) == NOT_SUPPORTED  # Clock: Kepler
+    assert register(nvml, gpu, XID_EVENT, None) == INVALID
+    assert lib.nvmlEventSetWait_v2(events, None, 0) == INVALID
+    assert lib.nvmlEventSetFree(events) == SUCCESS
+    assert lib.nvmlShutdown() == SUCCESS
+    assert lib.nvmlEventSetCreate(ctypes.byref(ctypes.c_void_p())) == UNINITIALIZED
+    assert lib.nvmlDeviceGetCudaComputeCapability(gpu, ctypes.byref(major),
+                                                  ctypes.byref(minor)) == UNINITIALIZED
+
+
+def test_an_event_wait_with_nothing_to_deliver_times_out(machine: simgpu.SimMachine) -> None:
+    """nvmlEventSetWait_v2 with nothing recorded waits its timeout, then answers 10; with
+    0 ms it answers at once. NVML's text for 10 is "Timeout"."""
+    nvml = Nvml(machine)
+    events = event_set(nvml)
+    for index in range(4):
+        assert register(nvml, handle(nvml, index), XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    code, _, took = wait(nvml, events, 300)
+    assert code == TIMEOUT and 0.29 <= took < 2, took
+    code, _, took = wait(nvml, events, 0)
+    assert code == TIMEOUT and took < 0.2, took
+    assert nvml.lib.nvmlErrorString(TIMEOUT) == b"Timeout"
+
+
+def test_an_xid_is_delivered_once_to_its_gpu(machine: simgpu.SimMachine) -> None:
+    """Xids delivered before a GPU registers are not recorded; one delivered while NVML
+    stays initialised comes once, as an Xid event with the Xid and that GPU's handle,
+    full-GPU instance ids; two come in order; an Xid delivered during a wait ends it;
+    the v1 wait delivers too; ``lose`` leaves the GPU lost at NVML's next first init."""
+    m = machine
+    simnvml.deliver_xid(m, 2, 31)  # before registration: not recorded
+    nvml = Nvml(m)
+    handles = [handle(nvml, index) for index in range(4)]
+    events = event_set(nvml)
+    for gpu in handles:
+        assert register(nvml, gpu, XID_EVENT | ECC_EVENTS, events) == SUCCESS
+    assert wait(nvml, events, 0)[0] == TIMEOUT
+    simnvml.deliver_xid(m, 2, 79)
+    code, data, _ = wait(nvml, events, 1000)
+    assert code == SUCCESS
+    assert (data.eventType, data.eventData) == (XID_EVENT, 79)
+    assert data.device == handles[2].value
+    assert (data.gpuInstanceId, data.computeInstanceId) == (FULL_GPU, FULL_GPU)
+    buf = ctypes.create_string_buffer(96)
+    assert nvml.lib.nvmlDeviceGetUUID(ctypes.c_void_p(data.device), buf, 96) == SUCCESS
+    assert buf.value.decode() == m.nvml_gpus[2]
+    assert wait(nvml, events, 50)[0] == TIMEOUT  # once
+    simnvml.deliver_xid(m, 1, 48)
+    simnvml.deliver_xid(m, 1, 13)
+    got = [wait(nvml, events, 1000)[1] for _ in range(2)]
+    assert [(d.device, d.eventData) for d in got] == [(handles[1].value, 48),
+                                                      (handles[1].value, 13)]
+    timer = threading.Timer(0.3, simnvml.deliver_xid, (m, 3, 94))
+    timer.start()
+    code, data, took = wait(nvml, events, 5000)
+    timer.join()
+    assert (code, data.device, data.eventData) == (SUCCESS, handles[3].value, 94)
+    assert 0.25 < took < 2, took
+    simnvml.deliver_xid(m, 0, 63)
+    v1 = EventDataV1()
+    assert nvml.lib.nvmlEventSetWait(events, ctypes.byref(v1), 1000) == SUCCESS
+    assert (v1.device, v1.eventType, v1.eventData) == (handles[0].value, XID_EVENT, 63)
+    simnvml.deliver_xid(m, 2, 79, lose=True)
+    assert wait(nvml, events, 1000)[1].eventData == 79
+    assert nvml.by_index(2) == SUCCESS  # still initialised: the state of its first init
+    assert nvml.lib.nvmlEventSetFree(events) == SUCCESS
+    nvml.restart()
+    assert nvml.by_index(2) == simnvml.GPU_IS_LOST
+
+
+@pytest.mark.parametrize("code", (15, 8))
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_registering_a_failing_gpu_answers_as_the_reading_says(
+        machine: simgpu.SimMachine, reading: str, code: int) -> None:
+    """Handles taken while every GPU answered, then GPU 2 fails with ``code`` (seen at a
+    first init): registering events, and asking which are supported, answer as a lookup
+    of that GPU by index does in the reading: 15 for GPU 2 alone; 8 for GPU 2 alone in
+    target, for every GPU in walk and any (the header's "any attached devices")."""
+    m = machine
+    simnvml.set_reading(m, reading)
+    nvml = Nvml(m)
+    handles = [handle(nvml, index) for index in range(4)]
+    simnvml.fail_gpu(m, FAILING, code)
+    nvml.restart()
+    everywhere = reading != "target" and code in MACHINE_WIDE
+    expected = [code if everywhere or i == FAILING else SUCCESS for i in range(4)]
+    events = event_set(nvml)
+    assert [register(nvml, gpu, XID_EVENT, events) for gpu in handles] == expected
+    types = ctypes.c_ulonglong()
+    assert [nvml.lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(types))
+            for gpu in handles] == expected
+
+
+# ------------------------------------------------- the state directory, in a namespace
+
+_NVML_PROBE = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+out = {"init": lib.nvmlInit_v2()}
+if out["init"] == 0:
+    count, h, buf = ctypes.c_uint(), ctypes.c_void_p(), ctypes.create_string_buffer(96)
+    lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    out["uuids"], out["by_index"], handles = [], [], []
+    for i in range(count.value):
+        out["by_index"].append(lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)))
+        handles.append(ctypes.c_void_p(h.value))
+    for i, gpu in enumerate(handles):
+        if out["by_index"][i] == 0:
+            lib.nvmlDeviceGetUUID(gpu, buf, 96)
+            out["uuids"].append(buf.value.decode())
+    events = ctypes.c_void_p()
+    lib.nvmlEventSetCreate(ctypes.byref(events))
+    for i, gpu in enumerate(handles):
+        if out["by_index"][i] == 0:
+            lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(8), events)
+    print("registered", flush=True)
+    data = (ctypes.c_ulonglong * 4)()  # device, type, Xid, the two instance ids
+    out["wait"] = lib.nvmlEventSetWait_v2(events, data, 5000)
+    if out["wait"] == 0:
+        lib.nvmlDeviceGetUUID(ctypes.c_void_p(data[0]), buf, 96)
+        out["event"] = [buf.value.decode(), data[1], data[2]]
+print(json.dumps(out), flush=True)
+"""
+
+# A private /run and /dev: the host's stay untouched. $1 the machine's root, $2 "state"
+# to bind its proc/driver at /run/simulated-nvml (read-only), $3 "ctl" for a /dev/nvidiactl
+_CONTAINER_SETUP = """set -e
+mount -t tmpfs tmpfs /run
+mount -t tmpfs -o mode=755 tmpfs /dev
+mknod -m 666 /dev/null c 1 3
+if [ "$2" = state ]; then
+    mkdir /run/simulated-nvml
+    mount --bind "$1/proc/driver" /run/simulated-nvml
+    mount -o remount,bind,ro /run/simulated-nvml
+fi
+if [ "$3" = ctl ]; then cp -a "$1/dev/nvidiactl" /dev/nvidiactl; fi
+shift 3
+exec "$@"
+"""
+
+
+def _namespace_unavailable() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare not installed (util-linux)"
+    return None
+
+
+def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
+                                               tmp_path: Path) -> None:
+    """The library loaded from a container's path (/driver-root/lib/..., neither
+    /run/nvidia/ nor /run/host-nvidia/ in it: P is "") in a private mount namespace with
+    its own /run and /dev. Without /run/simulated-nvml it reads that namespace's
+    /proc/driver (this host's: no NVIDIA module) and answers 9; with the machine's
+    proc/driver bound there read-only it answers for the machine's GPUs, GPU 1 lost, and
+    delivers an Xid to GPU 3 from the GPU's xid-events there; without /dev/nvidiactl in
+    the caller's /dev it answers 9 even so."""
+    why = _namespace_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    m = machine
+    simnvml.lose_gpu(m, 1)
+    name = f"libnvidia-ml.so.{m.version}"
+    lib = tmp_path / "driver-root" / "lib" / "x86_64-linux-gnu" / name
+    lib.parent.mkdir(parents=True)
+    shutil.copy2(m.lib_dir / name, lib)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_NVML_PROBE)
+
+    def run(state: bool, ctl: bool, xid_to: int | None = None) -> dict[str, Any]:
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                _CONTAINER_SETUP, "setup", str(m.root), "state" if state else "-",
+                "ctl" if ctl else "-", sys.executable, str(probe), str(lib)]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) as proc:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            if first == "registered\n" and xid_to is not None:
+                simnvml.deliver_xid(m, xid_to, 45)
+            rest, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        result: dict[str, Any] = json.loads((first + rest).splitlines()[-1])
+        return result
+
+    assert run(state=False, ctl=True) == {"init": 9}
+    seen = run(state=True, ctl=True, xid_to=3)
+    healthy = [u for i, u in enumerate(m.nvml_gpus) if i != 1]
+    assert seen == {"init": 0, "uuids": healthy, "by_index": [0, 15, 0, 0], "wait": 0,
+                    "event": [m.nvml_gpus[3], XID_EVENT, 45]}
+    assert run(state=True, ctl=False) == {"init": 9}
+
+
+# ------------------------------------------------- NVIDIA's real device plugin
+
+PLUGIN_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
+# $1 root, $2 where the spec goes (/var/run/cdi), $3 where its socket goes: private
+# /run, /var/lib and /dev (the machine's nodes), so nothing of the host's is touched
+_PLUGIN_SETUP = """set -e
+mount -t tmpfs tmpfs /run
+mkdir -p /run/cdi
+mount --bind "$2" /run/cdi
+mount -t tmpfs tmpfs /var/lib
+mkdir -p /var/lib/kubelet/device-plugins
+mount --bind "$3" /var/lib/kubelet/device-plugins
+mount -t tmpfs -o mode=755 tmpfs /dev
+cp -a "$1/dev/." /dev/
+mknod -m 666 /dev/null c 1 3
+mknod -m 666 /dev/zero c 1 5
+mknod -m 666 /dev/random c 1 8
+mknod -m 666 /dev/urandom c 1 9
+shift 3
+exec "$@"
+"""
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_nvidia_device_plugin_runs_with_health_checks(tmp_path: Path, cli: Cli) -> None:
+    """NVIDIA's real device plugin v0.20.0, health checks on, against the product's
+    driver root and this library (as a plain process, in a private mount namespace): it
+    no longer dies with a symbol lookup error, writes its spec with one device per GPU
+    UUID, serves its socket, marks a GPU unhealthy for an Xid 48 delivered to it while
+    it runs and no other, and is still running after its first 5 s event wait."""
+    plugin = toolkit.plugin_binary()
+    if plugin is None:
+        named = os.environ.get(toolkit.PLUGIN_ENV)
+        pytest.skip(f"{toolkit.PLUGIN_ENV}={named}: not an executable file" if named else
+                    f"NVIDIA's device plugin is not beside the checkout "
+                    f"({toolkit.SHARED_PLUGIN}) and {toolkit.PLUGIN_ENV} names none")
+    why = _namespace_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    m = four_gpus(tmp_path)
+    m.write_config()
+    assert cli(m.root, "run").code == 0
+    cdi, sockets, log = tmp_path / "cdi", tmp_path / "device-plugins", tmp_path / "plugin.log"
+    cdi.mkdir()
+    sockets.mkdir()
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PLUGIN_SETUP,
+            "setup", str(m.root), str(cdi), str(sockets), str(plugin),
+            "--device-list-strategy=cdi-cri", f"--container-driver-root={m.driver_root}",
+            "--nvidia-driver-root=/run/nvidia/driver",
+            f"--nvidia-cdi-hook-path={toolkit.NVIDIA_CDI_HOOK}", "--kubelet-socket="]
+    env = {k: v for k, v in clean_env().items() if not k.startswith("DP_")}
+    spec = cdi / PLUGIN_SPEC
+    unhealthy = f"XidCriticalError: Xid=48 on Device={m.nvml_gpus[1]}"
+    with open(log, "w") as out, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                 env=env) as proc:
+        started = time.monotonic()
+        try:
+            assert _wait_for(lambda: spec.exists() or proc.poll() is not None, 30), \
+                log.read_text()
+            assert proc.poll() is None, log.read_text()
+            # Its health checks register after it serves; an Xid before that is not
+            # recorded, so deliver until one is seen.
+            for _ in range(10):
+                simnvml.deliver_xid(m, 1, 48)
+                if _wait_for(lambda: unhealthy in log.read_text(), 2):
+                    break
+            # Past its first 5 s event wait: a timeout must not read as an error (that
+            # would mark every GPU unhealthy).
+            time.sleep(max(0.0, started + 6.5 - time.monotonic()))
+            assert proc.poll() is None, log.read_text()
+            assert (sockets / "nvidia-gpu.sock").is_socket()  # it serves (gone once stopped)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert "symbol lookup error" not in text, text
+    assert "Ignoring the following XIDs for health checks" in text, text
+    assert unhealthy in text, text
+    assert "Error waiting for event" not in text, text
+    assert not any(f"Device={u}" in text for i, u in enumerate(m.nvml_gpus) if i != 1), text
+    doc = json.loads(spec.read_text())
+    assert doc["kind"] == "k8s.device-plugin.nvidia.com/gpu"
+    assert sorted(d["name"] for d in doc["devices"]) == sorted(m.nvml_gpus)

@@ -55,3 +55,18 @@ def path_with_hook(path: str | None = None) -> str:
     rest = os.environ.get("PATH", "") if path is None else path
     first = str(NVIDIA_CDI_HOOK.parent)
     return first if not rest else f"{first}{os.pathsep}{rest}"
+
+
+PLUGIN_ENV = "UNB_TEST_DEVICE_PLUGIN"
+# NVIDIA's k8s-device-plugin v0.20.0, built from NVIDIA's source, beside the checkout
+SHARED_PLUGIN = (Path(__file__).resolve().parent.parent.parent / "shared" / "k8s-device-plugin"
+                 / "bin" / "nvidia-device-plugin")
+
+
+def plugin_binary() -> Path | None:
+    """NVIDIA's real ``nvidia-device-plugin``: the one ``UNB_TEST_DEVICE_PLUGIN`` names,
+    else ``../shared/k8s-device-plugin/bin/nvidia-device-plugin`` beside the checkout;
+    None when that is not an executable file (a fresh clone has no ../shared)."""
+    value = os.environ.get(PLUGIN_ENV)
+    path = Path(value) if value else SHARED_PLUGIN
+    return path if path.is_file() and os.access(path, os.X_OK) else None
