@@ -55,3 +55,23 @@ def path_with_hook(path: str | None = None) -> str:
     rest = os.environ.get("PATH", "") if path is None else path
     first = str(NVIDIA_CDI_HOOK.parent)
     return first if not rest else f"{first}{os.pathsep}{rest}"
+
+
+# NVIDIA's real device plugin (k8s-device-plugin), for the tests marked ``device_plugin``
+# (tests/test_device_plugin.py): only when UNB_TEST_DEVICE_PLUGIN names it (.ci/run's
+# real-tool step does, from ../shared), never found by itself, so that `make test` runs
+# the same suite on every machine; without it those tests are deselected (conftest.py).
+PLUGIN_ENV = "UNB_TEST_DEVICE_PLUGIN"
+
+
+def plugin_binary() -> Path | None:
+    """The ``nvidia-device-plugin`` that UNB_TEST_DEVICE_PLUGIN names (an absolute path to
+    an executable file), or None when it is unset or empty."""
+    value = os.environ.get(PLUGIN_ENV)
+    if not value:
+        return None
+    binary = Path(value)
+    if not (binary.is_absolute() and binary.is_file() and os.access(binary, os.X_OK)):
+        raise ToolkitError(f"{PLUGIN_ENV}={value}: not an absolute path to an executable "
+                           "file (name NVIDIA's nvidia-device-plugin)")
+    return binary
