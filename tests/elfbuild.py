@@ -100,7 +100,7 @@ NVML_ENTRY_POINTS = (
     # NVIDIA's device plugin v0.20.0 binds these too (its device map and health checks)
     "nvmlDeviceGetCudaComputeCapability", "nvmlEventSetCreate", "nvmlEventSetFree",
     "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
-    "nvmlEventSetWait_v2",
+    "nvmlEventSetWait_v2", "nvmlDeviceGetTopologyCommonAncestor", "nvmlDeviceGetNvLinkState",
 )
 NVML_SOURCE_FILE = Path(__file__).resolve().parent / "simnvml.c"
 _NVML_SOURCE = NVML_SOURCE_FILE.read_text()

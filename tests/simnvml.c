@@ -1029,6 +1029,37 @@ NVML_API int nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
     return NVML_SUCCESS;
 }
 
+/* ---------------------------------------------------------------- topology, NVLink */
+
+/* nvmlGpuTopologyLevel_t: every pair of this machine's GPUs is joined through the
+ * system (NVML_TOPOLOGY_SYSTEM): no NVLink, no common PCIe switch. The device plugin's
+ * GetPreferredAllocation asks this for each pair. */
+#define TOPOLOGY_INTERNAL 0
+#define TOPOLOGY_SYSTEM 50
+#define NVLINK_MAX_LINKS 18 /* NVML_NVLINK_MAX_LINKS */
+
+NVML_API int nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                 int *pathInfo)
+{
+    NEEDS_DEVICE(device1);
+    if (!valid(device2) || pathInfo == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device1->is_mig || device2->is_mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *pathInfo = device1 == device2 ? TOPOLOGY_INTERNAL : TOPOLOGY_SYSTEM;
+    return NVML_SUCCESS;
+}
+
+/* No NVLink on these GPUs: a link's state is Not Supported (what NVML answers for a
+ * link a GPU does not have), a link number past the maximum an invalid argument. */
+NVML_API int nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *isActive)
+{
+    NEEDS_DEVICE(device);
+    if (isActive == NULL || link >= NVLINK_MAX_LINKS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
 /* ---------------------------------------------------------------- events */
 
 #define EVENT_SINGLE_BIT_ECC 0x1ULL

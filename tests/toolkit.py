@@ -57,16 +57,21 @@ def path_with_hook(path: str | None = None) -> str:
     return first if not rest else f"{first}{os.pathsep}{rest}"
 
 
+# NVIDIA's real device plugin (k8s-device-plugin), for the tests marked ``device_plugin``
+# (tests/test_device_plugin.py): only when UNB_TEST_DEVICE_PLUGIN names it (.ci/run's
+# real-tool step does, from ../shared), never found by itself, so that `make test` runs
+# the same suite on every machine; without it those tests are deselected (conftest.py).
 PLUGIN_ENV = "UNB_TEST_DEVICE_PLUGIN"
-# NVIDIA's k8s-device-plugin v0.20.0, built from NVIDIA's source, beside the checkout
-SHARED_PLUGIN = (Path(__file__).resolve().parent.parent.parent / "shared" / "k8s-device-plugin"
-                 / "bin" / "nvidia-device-plugin")
 
 
 def plugin_binary() -> Path | None:
-    """NVIDIA's real ``nvidia-device-plugin``: the one ``UNB_TEST_DEVICE_PLUGIN`` names,
-    else ``../shared/k8s-device-plugin/bin/nvidia-device-plugin`` beside the checkout;
-    None when that is not an executable file (a fresh clone has no ../shared)."""
+    """The ``nvidia-device-plugin`` that UNB_TEST_DEVICE_PLUGIN names (an absolute path to
+    an executable file), or None when it is unset or empty."""
     value = os.environ.get(PLUGIN_ENV)
-    path = Path(value) if value else SHARED_PLUGIN
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    if not value:
+        return None
+    binary = Path(value)
+    if not (binary.is_absolute() and binary.is_file() and os.access(binary, os.X_OK)):
+        raise ToolkitError(f"{PLUGIN_ENV}={value}: not an absolute path to an executable "
+                           "file (name NVIDIA's nvidia-device-plugin)")
+    return binary

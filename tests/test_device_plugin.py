@@ -1,0 +1,285 @@
+"""NVIDIA's real device plugin (k8s-device-plugin v0.20.0) against the node this tool
+sets up, with the test playing kubelet (issue 32, the part without a booted machine).
+
+The plugin runs as a plain process in a private mount namespace (tests/nvplugin.py), its
+kubelet is tests/kubelet.py, and the machine is a simulated one set up by the product's
+`run`. What each test asserts of the plugin (exit status, error line, registration, spec)
+is what it was measured to do, so that a change in it shows. These tests run only when
+UNB_TEST_DEVICE_PLUGIN names the plugin (.ci/run's real-tool step); without it they are
+deselected (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kubelet
+import nvplugin
+import pod
+import simgpu
+import simnvml
+import toolkit
+from conftest import Cli, needs_root, unmet
+from test_pod import fetch, simulated_nvml, staging
+from test_run import check_json as _check_json
+from test_run import codes, root_of
+
+pytestmark = [pytest.mark.device_plugin, needs_root]
+
+REGISTER_TIMEOUT = 20.0
+EXIT_TIMEOUT = 20.0
+# What the plugin says and does with a GPU lost at its start (measured, every reading).
+LOST_GPU_ERROR = ("error starting plugins: error getting plugins: unable to create plugins: "
+                  "failed to construct resource managers: error building device map: error "
+                  "building device map from config.resources: error building GPU device map: "
+                  "error getting device handle for index '2': GPU is lost")
+NO_NVML_ERROR = ("error starting plugins: unable to validate flags: CDI --device-list-strategy "
+                 "options are only supported on NVML-based systems")
+
+
+@pytest.fixture(scope="session")
+def api(tmp_path_factory: pytest.TempPathFactory) -> kubelet.Api:
+    return kubelet.api(tmp_path_factory.mktemp("deviceplugin-api"))
+
+
+@pytest.fixture
+def binary() -> Path:
+    found = toolkit.plugin_binary()
+    assert found is not None  # deselected otherwise (conftest.py)
+    return found
+
+
+@dataclass
+class Node:
+    m: simgpu.SimMachine
+    kubelet: kubelet.Kubelet
+    plugin: nvplugin.Running
+
+
+@contextmanager
+def plugin_on(binary: Path, api: kubelet.Api, m: simgpu.SimMachine, tmp_path: Path,
+              **kwargs: Any) -> Iterator[Node]:
+    """The test's kubelet serving, then NVIDIA's plugin started against ``m``; both
+    ended on leaving (the plugin's process group killed, its mounts gone with it)."""
+    with kubelet.Kubelet(tmp_path / "kubelet", api) as k, nvplugin.running(
+            binary, m.root, k.dir, log=tmp_path / "plugin.log", **kwargs) as p:
+        yield Node(m, k, p)
+
+
+def four_gpus(m: simgpu.SimMachine) -> simgpu.SimMachine:
+    for minor in (2, 3):
+        simnvml.add_gpu(m, minor)
+    m.write_config()
+    assert len(m.nvml_gpus) == 4
+    return m
+
+
+def plugin_spec(m: simgpu.SimMachine) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(nvplugin.spec_path(m.root).read_text())
+    return doc
+
+
+def edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [doc.get("containerEdits", {}), *(d["containerEdits"] for d in doc["devices"])]
+
+
+def host_paths(doc: dict[str, Any]) -> list[str]:
+    """Every host path the spec makes a runtime open: mounts, device nodes, hooks."""
+    paths = []
+    for e in edits(doc):
+        paths += [x["hostPath"] for x in e.get("mounts", [])]
+        paths += [x.get("hostPath") or x["path"] for x in e.get("deviceNodes", [])]
+        paths += [x["path"] for x in e.get("hooks", [])]
+    return paths
+
+
+def device_nodes(doc: dict[str, Any], uuid: str) -> list[str]:
+    device = next(d for d in doc["devices"] if d["name"] == uuid)
+    return [x.get("hostPath") or x["path"] for x in device["containerEdits"]["deviceNodes"]]
+
+
+def check_json(cli: Cli, m: simgpu.SimMachine) -> dict[str, Any]:
+    report: dict[str, Any] = _check_json(cli, m)
+    return report
+
+
+def plugin_codes(report: dict[str, Any]) -> set[str]:
+    return {c for c in codes(report) if c.startswith("plugin-spec-")}
+
+
+def error_lines(plugin: nvplugin.Running) -> list[str]:
+    """The plugin's klog error lines, less their header (``E1205 21:27:42.6 2671 main.go:198]``)."""
+    return [line.partition("] ")[2] for line in plugin.output().splitlines()
+            if line.startswith("E") and "] " in line]
+
+
+def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocated(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """Debian's 550 driver with the simulated NVML, 4 GPUs, set up by `run`: the plugin
+    registers nvidia.com/gpu, lists the 4 GPUs by UUID, all Healthy, and Allocate hands
+    out the CDI device of the one asked for; its spec mounts libcuda and NVML from the
+    driver root, every hostPath exists, and `check` finds no problem with it. A pod given
+    that CDI device by podman + runc (the CDI library containerd uses) gets that GPU's
+    node and no other, libcuda and NVML."""
+    why = pod.unavailable()
+    if why is not None:
+        unmet(f"no container runtime: {why}")
+    drv = fetch("550")
+    from realmachine import real_machine
+
+    m = real_machine(tmp_path, drv)
+    simulated_nvml(m)
+    four_gpus(m)
+    assert cli(m.root, "run").code == 0
+    with plugin_on(binary, api, m, tmp_path) as node:
+        reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
+        assert (reg.version, reg.endpoint, reg.resource_name) == (
+            kubelet.VERSION, nvplugin.ENDPOINT, nvplugin.RESOURCE), reg
+        plugin = node.kubelet.connect(reg)
+        assert plugin.options() == {"pre_start_required": False,
+                                    "get_preferred_allocation_available": True}
+        plugin.watch()
+        listed = plugin.devices()
+        assert listed == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY), listed
+        chosen = m.nvml_gpus[1]
+        assert plugin.preferred([chosen], 1) == [chosen]
+        allocation = plugin.allocate([chosen])
+        assert allocation.cdi_devices == [f"{nvplugin.KIND}={chosen}"], allocation
+        assert node.plugin.wait(0) is None, node.plugin.output()
+
+        doc = plugin_spec(m)
+        assert doc["kind"] == nvplugin.KIND
+        assert sorted(d["name"] for d in doc["devices"]) == sorted(m.nvml_gpus)
+        mounted = {x["hostPath"] for e in edits(doc) for x in e.get("mounts", [])}
+        lib = root_of(m) / "lib" / m.multiarch
+        for name in (f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}"):
+            assert str(lib / name) in mounted, sorted(mounted)
+        assert [p for p in host_paths(doc) if not os.path.exists(p)] == []
+        assert device_nodes(doc, chosen) == [str(m.root / "dev/nvidia1")]
+        report = check_json(cli, m)
+        assert report["device_plugin_spec"]["present"] is True, report
+        assert plugin_codes(report) == set(), report["problems"]
+
+        result = pod.probe(allocation.cdi_devices[0], run_cdi=nvplugin.spec_path(m.root).parent,
+                           hide=[staging(m)]).report()
+    gpus = {d for d in result["devices"] if d.removeprefix("nvidia").isdigit()}
+    assert gpus == {"nvidia1"} and "nvidiactl" in result["devices"], result
+    gaps = [g for g in pod.missing(result, drv.version)
+            if g != "/dev/nvidia0 and /dev/nvidiactl"]
+    assert gaps == [], result
+
+
+def test_the_charts_default_dev_root_names_nodes_the_root_does_not_have(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """NVIDIA's chart with nvidiaDriverRoot=/run/nvidia/driver and no nvidiaDevRoot: the
+    plugin takes the driver root for its dev root. It still registers and serves every
+    GPU, but its spec names <driver root>/dev/nvidia<N>, nvidiactl and the rest, which
+    the product's root does not have (so every pod through it fails), and `check` says
+    plugin-spec-bad-device-node for each of them and nothing else."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    assert cli(m.root, "run").code == 0
+    with plugin_on(binary, api, m, tmp_path, default_dev_root=True) as node:
+        reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
+        plugin = node.kubelet.connect(reg)
+        plugin.watch()
+        assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
+        assert node.plugin.wait(0) is None, node.plugin.output()
+    doc = plugin_spec(m)
+    dev = root_of(m) / "dev"
+    nodes = {x["hostPath"] for e in edits(doc) for x in e.get("deviceNodes", [])}
+    assert nodes == {str(dev / n) for n in (
+        "nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-modeset",
+        "nvidia-uvm", "nvidia-uvm-tools")}, sorted(nodes)
+    assert not dev.exists()
+    report = check_json(cli, m)
+    assert plugin_codes(report) == {"plugin-spec-bad-device-node"}, report["problems"]
+    bad = sorted(p["path"] for p in report["problems"]
+                 if p["code"] == "plugin-spec-bad-device-node")
+    assert bad == sorted(nodes), report["problems"]
+
+
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_a_lost_gpu_at_its_start_stops_the_plugin(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, reading: str) -> None:
+    """GPU 2 of 4 lost (NVML 15) before the node's run, under each reading of NVML's
+    header: the product degrades the node and serves the other 3, but NVIDIA's plugin
+    exits 1 at once on building its device map, never registers, and writes no spec: on
+    such a node it serves no GPU at all."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    simnvml.set_reading(m, reading)
+    simnvml.lose_gpu(m, 2)
+    assert cli(m.root, "run").code == 0
+    assert check_json(cli, m)["verdict"] == "degraded"
+    with plugin_on(binary, api, m, tmp_path) as node:
+        code = node.plugin.wait(EXIT_TIMEOUT)
+        assert code == 1, node.plugin.output()
+        assert error_lines(node.plugin) == [LOST_GPU_ERROR], node.plugin.output()
+        assert node.kubelet.registrations == []
+    assert not nvplugin.spec_path(m.root).exists()
+    report = check_json(cli, m)
+    assert codes(report) == {"gpu-lost"}, report["problems"]
+    assert "device_plugin_spec" not in report
+
+
+def links_into_staging(m: simgpu.SimMachine, stems: tuple[str, ...]) -> None:
+    """The older agent's root: these driver libraries as absolute links into the staging
+    (the incident; test_pod.links_into_staging)."""
+    lib = root_of(m) / "lib" / m.multiarch
+    for stem in stems:
+        name = f"{stem}.{m.version}"
+        (lib / name).unlink()
+        (lib / name).symlink_to(m.lib_dir / name)
+
+
+def test_incident_libcuda_into_hidden_staging_gives_a_spec_without_libcuda(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """The older agent's root, libcuda an absolute link into the staging, which the
+    plugin cannot see: the plugin registers and serves every GPU, and writes the
+    incident's spec, with NVML but without libcuda; `check` says plugin-spec-missing-
+    library of it, beside the root's own escaping links."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    assert cli(m.root, "run").code == 0
+    links_into_staging(m, ("libcuda.so",))
+    with plugin_on(binary, api, m, tmp_path, hide=(staging(m),)) as node:
+        reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
+        plugin = node.kubelet.connect(reg)
+        plugin.watch()
+        assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
+        assert node.plugin.wait(0) is None, node.plugin.output()
+    doc = plugin_spec(m)
+    names = {os.path.basename(x["hostPath"]) for e in edits(doc) for x in e.get("mounts", [])}
+    assert f"libnvidia-ml.so.{m.version}" in names
+    assert not [n for n in names if n.startswith("libcuda.so")], sorted(names)
+    report = check_json(cli, m)
+    assert plugin_codes(report) == {"plugin-spec-missing-library"}, report["problems"]
+    missing = [p for p in report["problems"] if p["code"] == "plugin-spec-missing-library"]
+    assert len(missing) == 1 and f"libcuda.so.{m.version}" in missing[0]["message"], missing
+    assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
+
+
+def test_incident_nvml_into_hidden_staging_stops_the_plugin(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """The older agent's root with libcuda and NVML both absolute links into the hidden
+    staging: the plugin cannot load NVML from the driver root, exits 1 on its flags
+    (cdi-cri needs NVML), never registers and writes no spec; `check` names the root's
+    links, and no plugin spec."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    assert cli(m.root, "run").code == 0
+    links_into_staging(m, ("libcuda.so", "libnvidia-ml.so"))
+    with plugin_on(binary, api, m, tmp_path, hide=(staging(m),)) as node:
+        code = node.plugin.wait(EXIT_TIMEOUT)
+        assert code == 1, node.plugin.output()
+        assert error_lines(node.plugin) == [NO_NVML_ERROR], node.plugin.output()
+        assert node.kubelet.registrations == []
+    assert not nvplugin.spec_path(m.root).exists()
+    report = check_json(cli, m)
+    assert plugin_codes(report) == set(), report["problems"]
+    assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
