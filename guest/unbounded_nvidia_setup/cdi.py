@@ -107,7 +107,7 @@ class Generator:
         self.assessment: Assessment | None = None
         self.narrow_to: tuple[set[int], set[int]] | None = None
         if machine.driver_root.is_dir() and not machine.driver_root.is_symlink():
-            self.early = self._generate()
+            self.early = self.generate()
 
     def _start(self, argv: list[str]) -> Started:
         # Each call within its own limit (0 in the config: none) and what is left of the
@@ -119,7 +119,7 @@ class Generator:
         self.running.append(started)
         return started
 
-    def _generate(self, device_ids: list[str] | None = None,
+    def generate(self, device_ids: list[str] | None = None,
                   mode: str | None = None) -> Started:
         return self._start(generate_argv(self.machine, self.ctk, self.work / "nvidia.yaml",
                                          device_ids, mode))
@@ -137,11 +137,13 @@ class Generator:
     def spec(self, driver_version: str, helpers: tuple[str, ...]) -> bytes | None:
         """A validated spec for the live driver root; None when NVML can use no GPU of
         the node (`assessment` says why): then no spec may be installed."""
-        result: Result | None = (self.early or self._generate()).wait()
+        result: Result | None = (self.early or self.generate()).wait()
         self.early = None
         if (result is not None and device_failure(result)
                 and not chooses_devices(self.machine.config.nvidia_ctk_args)):
-            result = self._degrade(result)
+            from .degrade import degrade  # only a failed generate imports it
+
+            result = degrade(self, result)
             if result is None:
                 return None
         assert result is not None
@@ -151,14 +153,16 @@ class Generator:
                 log.info(f"nvidia-ctk {'.'.join(map(str, ctk.version))} predates the hook "
                          "flags: generating without them")
                 self.ctk = ctk
-                result = self._generate().wait()
+                result = self.generate().wait()
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
                 hint="the previous driver root and spec were kept; its errors and warnings "
                      "are in the journal above this line")
-        data = self._output()
+        data = self.output()
         if self.narrow_to is not None:
-            data = self._narrowed(data, *self.narrow_to)
+            from .degrade import narrowed
+
+            data = narrowed(data, *self.narrow_to)
         # IMEX channels are for their consumers, never in nvidia.com/gpu (imex.py).
         # imex.py is imported only where it works: a module costs every boot about 5M
         # instructions to import (docs/performance.md).
@@ -168,92 +172,18 @@ class Generator:
             data = imex.without_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
         if self.assessment is not None:
-            self._check_served(data)
+            from .degrade import check_served
+
+            check_served(self.assessment, data)
         return data
 
-    def _output(self) -> bytes:
+    def output(self) -> bytes:
         output = self.work / "nvidia.yaml"
         try:
             return output.read_bytes()
         except OSError:
             die(f"nvidia-ctk cdi generate wrote no spec at {output}",
                 hint="check the nvidia_ctk_args in the config")
-
-    def _degrade(self, failed: Result) -> Result | None:
-        """A GPU that NVML cannot use degrades the node, it never darkens it (DESIGN,
-        2026-12-04 and 2026-12-05). NVML is asked by index which GPUs it can use
-        (nvml.py), never trusting a lookup by UUID. nvidia-ctk is then asked for those
-        GPUs by `--device-id`, which keeps its per-GPU devices. Where NVML's lookups by
-        UUID fail for another GPU's sake, that fails too, and management mode's `all`,
-        cut down to the usable GPUs (narrow.py), serves them. `failed` stands when NVML
-        answers for every GPU or cannot be asked; None when no GPU is usable."""
-        from . import nvml
-        from .gpus import assess, mig_cap_minors
-
-        answer = nvml.ask(self.machine)
-        assessment = assess(self.machine, answer) if answer is not None else None
-        if assessment is None:
-            return failed
-        self.assessment = assessment
-        _warn(assessment)
-        if assessment.serves_none:
-            return None
-        minors = assessment.serve_minors()
-        ids = assessment.device_ids()
-        if ids:
-            result = self._generate(ids).wait()
-            if result.ok and self._serves(minors):
-                return result
-            log.info("nvidia-ctk cannot generate the usable GPUs' devices by UUID "
-                     f"({result.why() if not result.ok else 'it served other GPUs'}): "
-                     "serving them through management mode's `all`, without per-GPU devices")
-        caps: set[int] = set()
-        for gpu in assessment.usable:
-            if gpu.mig and gpu.migs and gpu.minor is not None:
-                caps |= mig_cap_minors(self.machine, gpu.minor)
-        self.narrow_to = minors, caps
-        return self._generate(mode="management").wait()
-
-    def _serves(self, minors: set[int]) -> bool:
-        from .gpus import served_minors
-
-        try:
-            doc = load_yaml(self._output())
-        except Exception:
-            return False
-        return served_minors(doc) == minors
-
-    def _narrowed(self, data: bytes, minors: set[int], caps: set[int]) -> bytes:
-        import yaml
-
-        from .narrow import narrowed
-
-        try:
-            doc = load_yaml(data)
-        except yaml.YAMLError:
-            return data  # validation names it
-        if not isinstance(doc, dict):
-            return data
-        dropped = narrowed(doc, minors, caps)
-        if dropped:
-            log.info(f"left out of management mode's spec: {', '.join(dropped)}")
-        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-        text: str = yaml.dump(doc, Dumper=dumper, sort_keys=False, default_flow_style=False)
-        return text.encode()
-
-    def _check_served(self, data: bytes) -> None:
-        """A degraded spec serves exactly the usable GPUs: never an unusable one."""
-        from .gpus import served_minors
-
-        assert self.assessment is not None
-        served = served_minors(load_yaml(data))
-        want = self.assessment.serve_minors()
-        if served != want:
-            names = ", ".join(f"/dev/nvidia{n}" for n in sorted(served ^ want))
-            die(f"the spec nvidia-ctk wrote for the usable GPUs serves other GPUs than them "
-                f"({names}); it was not installed",
-                hint="the previous driver root and spec were kept; check the NVIDIA "
-                     "Container Toolkit version")
 
     def __enter__(self) -> Generator:
         return self
@@ -262,38 +192,6 @@ class Generator:
         for started in self.running:
             started.__exit__()
         remove_tree(self.work)
-
-
-def _warn(assessment: Assessment) -> None:
-    from . import nvml
-
-    if assessment.node_error is not None:
-        code = assessment.node_error
-        log.warn(f"NVML answers {code} ({assessment_text(assessment, code)}) for the node's "
-                 "GPUs, an error of the attached devices, no single GPU's: no GPU is served "
-                 "and no CDI spec is installed; keep GPU pods off this node and repair the "
-                 "host (power, PCIe), then `systemctl restart unbounded-nvidia-setup`")
-        return
-    usable = len(assessment.serve_minors())
-    if not usable:
-        log.warn(f"NVML can use none of the {len(assessment.listed) or len(assessment.unusable)} "
-                 "GPUs of this node: no GPU is served and no CDI spec is installed; keep GPU "
-                 "pods off this node and repair the host (a GPU reset or a reboot), then "
-                 "`systemctl reload unbounded-nvidia-setup`")
-    for gpu, code in assessment.unusable:
-        what = "is lost (Xid 79, fallen off the bus)" if code == nvml.GPU_IS_LOST else \
-            "cannot be used"
-        log.warn(f"{gpu.describe()} {what}: NVML answers {code} "
-                 f"({assessment_text(assessment, code)}) for it"
-                 + (f"; the spec serves the {usable} GPUs NVML can use" if usable else "")
-                 + "; a GPU reset or reboot on the host brings it back, then "
-                 "`systemctl reload unbounded-nvidia-setup`")
-
-
-def assessment_text(assessment: Assessment, code: int) -> str:
-    from . import nvml
-
-    return assessment.texts.get(code) or nvml.TEXTS.get(code) or "an NVML error"
 
 
 def validate(machine: Machine, data: bytes, driver_version: str,

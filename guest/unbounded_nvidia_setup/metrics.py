@@ -92,7 +92,10 @@ class RunRecord:
         the previous one's, with the reload's failure beside it."""
         assert self.machine is not None
         now = time.time()
-        previous = outcome.read(self.machine)
+        gpus = self.gpus
+        if exit_code == 0 and not (self.command == RELOAD and gpus.degraded):
+            return outcome.Outcome(self.command, exit_code, now, None, gpus)
+        previous = outcome.read(self.machine)  # only where it matters: not on every boot
         if exit_code != 0 and previous is not None:
             if self.command == RELOAD and not previous.failed:
                 previous.reload_exit_code, previous.reload_finished_at = exit_code, now
@@ -102,7 +105,6 @@ class RunRecord:
             return outcome.Outcome(self.command, exit_code, now, self.error, previous.gpus)
         if exit_code != 0:
             return outcome.Outcome(self.command, exit_code, now, self.error)
-        gpus = self.gpus
         if (self.command == RELOAD and gpus.degraded and previous is not None
                 and previous.gpus.degraded):
             gpus.attempts = previous.gpus.attempts + 1

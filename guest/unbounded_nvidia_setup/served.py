@@ -6,52 +6,24 @@ record beside the files.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from . import outcome
-from .config import GPUS_DIR, Machine
+from .config import Machine
 from .problems import Problem
-
-
-def _listed(machine: Machine) -> tuple[int, list[str]]:
-    """(the GPUs the module lists that NVML enumerates, the bus ids of those the host
-    excluded), read without gpus.py: a healthy node's every check and end-state proof
-    count them, and a module costs every boot about 5M instructions to import
-    (docs/performance.md)."""
-    top = machine.at(GPUS_DIR)
-    try:
-        buses = os.listdir(top)
-    except OSError:
-        return 0, []
-    excluded = []
-    for bus in buses:
-        try:
-            with open(top / bus / "information", "rb") as f:
-                text = f.read(1 << 14)
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(b":")
-            if key == b"GPU Excluded" and value.strip().lower() == b"yes":
-                excluded.append(bus)
-    return len(buses) - len(excluded), sorted(excluded)
 
 
 def check_gpus(machine: Machine, sections: dict[str, dict[str, Any]], doc: Any,
                found: outcome.Gpus) -> list[Problem]:
-    """Each GPU the last run found NVML could not use (outcome.py) and left out of the
-    spec is `gpu-lost` (NVML's GPU_IS_LOST) or `gpu-unusable` (another error) while the
-    spec still does not serve it: the verdict is `degraded` when nothing else is wrong.
-    No GPU usable at all is `no-usable-gpu`. Only a run asks NVML; check reads the run's
-    record, which names the GPUs of the live spec (a run proving its end state passes
-    its own). A GPU the spec leaves out for another reason (excluded on the host, a
-    MIG-enabled GPU without MIG devices, a GPU that arrived since) is not reported."""
-    if not found.degraded:
-        count, excluded = _listed(machine)
-        sections["gpus"] = {"listed": count, "served": count, "lost": [],
-                            "unusable": [], "excluded": excluded, "node_error": None}
-        return []
+    """On a node whose last run left GPUs out (state.py counts a healthy node's itself,
+    without importing this module). Each GPU the last run found NVML could not use
+    (outcome.py) and left out of the spec is `gpu-lost` (NVML's GPU_IS_LOST) or `gpu-
+    unusable` (another error) while the spec still does not serve it: the verdict is
+    `degraded` when nothing else is wrong. No GPU usable at all is `no-usable-gpu`. Only
+    a run asks NVML; check reads the run's record, which names the GPUs of the live spec
+    (a run proving its end state passes its own). A GPU the spec leaves out for another
+    reason (excluded on the host, a MIG-enabled GPU without MIG devices, a GPU that
+    arrived since) is not reported."""
     from . import gpus, nvml
 
     kernel = gpus.kernel_gpus(machine)

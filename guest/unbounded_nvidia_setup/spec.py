@@ -76,6 +76,10 @@ def imex_channel(machine: Machine, node: dict[str, Any]) -> bool:
     or its hostPath. Here, not in imex.py: every validation asks, and imex.py is
     imported only on machines with channels."""
     path, host = node.get("path"), node.get("hostPath")
+    # Every node of every validation passes here: most are nothing like a channel.
+    if "imex" not in (path if isinstance(path, str) else "") + (
+            host if isinstance(host, str) else ""):
+        return False
     if isinstance(path, str) and os.path.normpath(path).startswith(f"{IMEX_CHANNELS_DIR}/"):
         return True
     return isinstance(host, str) and bool(host) and os.path.normpath(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import devices, discover, driver, linker, outcome, searchorder, tree
-from .config import Machine, load_yaml
+from .config import GPUS_DIR, Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .problems import SERVING_CODES, WAITING_CODES, Problem
@@ -215,15 +215,13 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
 
 def _check_spec(machine: Machine, report: Report, version: str | None,
                 gpus: outcome.Gpus) -> None:
-    from . import served  # a module a boot imports only where it works (served.py)
-
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
     if not section["present"]:
         if not gpus.serves_none:  # else no spec is the run's own decision (served.py)
             report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
-        report.problems += served.check_gpus(machine, report.sections, None, gpus)
+        _check_gpus(machine, report, None, gpus)
         return
     doc, why = _load(path, path.suffix == ".json")
     if why:
@@ -235,11 +233,48 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
     report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
-    report.problems += served.check_gpus(machine, report.sections, doc, gpus)
+    _check_gpus(machine, report, doc, gpus)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
         report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
                                        "devices (nvidia-cdi-refresh?)", str(shadow)))
+
+
+def _listed(machine: Machine) -> tuple[int, list[str]]:
+    """(the GPUs the module lists that NVML enumerates, the bus ids of those the host
+    excluded), read without gpus.py: a healthy node's every check and end-state proof
+    count them, and a module costs every boot about 5M instructions to import
+    (docs/performance.md)."""
+    top = machine.at(GPUS_DIR)
+    try:
+        buses = os.listdir(top)
+    except OSError:
+        return 0, []
+    excluded = []
+    for bus in buses:
+        try:
+            with open(top / bus / "information", "rb") as f:
+                text = f.read(1 << 14)
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(b":")
+            if key == b"GPU Excluded" and value.strip().lower() == b"yes":
+                excluded.append(bus)
+    return len(buses) - len(excluded), sorted(excluded)
+
+
+def _check_gpus(machine: Machine, report: Report, doc: Any, found: outcome.Gpus) -> None:
+    """A healthy node's GPUs are counted here; served.py, imported only where a run left
+    GPUs out, reports those (a module costs every boot about 5M instructions)."""
+    if not found.degraded:
+        count, excluded = _listed(machine)
+        report.sections["gpus"] = {"listed": count, "served": count, "lost": [],
+                                   "unusable": [], "excluded": excluded, "node_error": None}
+        return
+    from . import served
+
+    report.problems += served.check_gpus(machine, report.sections, doc, found)
 
 
 def _check_last_run(machine: Machine, report: Report) -> None:
