@@ -204,6 +204,11 @@ def test_the_charts_default_dev_root_names_nodes_the_root_does_not_have(
     bad = sorted(p["path"] for p in report["problems"]
                  if p["code"] == "plugin-spec-bad-device-node")
     assert bad == sorted(nodes), report["problems"]
+    # check names the setting that fixes it (issue 32, point 5)
+    for p in report["problems"]:
+        if p["code"] == "plugin-spec-bad-device-node":
+            assert "NVIDIA_DEV_ROOT=/" in p["message"], p
+            assert "nvidiaDevRoot" in p["message"], p
 
 
 @pytest.mark.parametrize("reading", simnvml.READINGS)
@@ -262,6 +267,7 @@ def test_incident_libcuda_into_hidden_staging_gives_a_spec_without_libcuda(
     assert plugin_codes(report) == {"plugin-spec-missing-library"}, report["problems"]
     missing = [p for p in report["problems"] if p["code"] == "plugin-spec-missing-library"]
     assert len(missing) == 1 and f"libcuda.so.{m.version}" in missing[0]["message"], missing
+    assert "nvidiaDriverRoot=/run/nvidia/driver" in missing[0]["message"], missing
     assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
 
 

@@ -150,8 +150,11 @@ def test_one_lost_gpu_on_a_fresh_boot_degrades_the_node(four: simgpu.SimMachine,
     problem, = report["problems"]
     assert four.nvml_gpus[1] in problem["message"] and "/dev/nvidia1" in problem["message"]
     assert "pods get" not in problem["message"], problem
+    # What NVIDIA's device plugin does there, as measured (tests/test_device_plugin.py)
+    assert "NVIDIA's device plugin (v0.20) exits" in problem["message"], problem
     status = cli(four.root, "status")
     assert "the spec serves 3 of 4 GPUs" in status.stdout, status.stdout
+    assert "Device plugin:  no spec: NVIDIA's device plugin (v0.20) exits" in status.stdout
 
 
 @pytest.mark.parametrize("code", [999, 4])

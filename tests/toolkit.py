@@ -74,4 +74,9 @@ def plugin_binary() -> Path | None:
     if not (binary.is_absolute() and binary.is_file() and os.access(binary, os.X_OK)):
         raise ToolkitError(f"{PLUGIN_ENV}={value}: not an absolute path to an executable "
                            "file (name NVIDIA's nvidia-device-plugin)")
+    if not REAL:
+        # Its spec names NVIDIA's hooks (disable-device-node-modification among them),
+        # which the nvidia-cdi-hook stand-in does not run: pods would fail for that.
+        raise ToolkitError(f"{PLUGIN_ENV} needs NVIDIA's nvidia-ctk and nvidia-cdi-hook too: "
+                           "set UNB_TEST_NVIDIA_CTK as well (.ci/run's real-tool step does)")
     return binary

@@ -46,6 +46,16 @@ def _last_run_line(report: Report) -> str:
     return line
 
 
+def _plugin_line(report: Report, plugin: dict[str, str] | None) -> str:
+    if plugin:
+        return f"{plugin['path']} (present)"
+    gpus = report.sections.get("gpus")
+    if gpus and gpus["unusable"]:
+        # docs/problems.md: NVIDIA's plugin v0.20 exits while a GPU is unusable
+        return "no spec: NVIDIA's device plugin (v0.20) exits while NVML cannot use a GPU"
+    return "no spec yet"
+
+
 def render_status(machine: Machine, report: Report) -> str:
     root = report.sections.get("driver_root", {})
     spec = report.sections.get("cdi_spec", {})
@@ -67,7 +77,7 @@ def render_status(machine: Machine, report: Report) -> str:
             f"CDI spec:       {spec.get('path')} "
             + (f"(devices: {', '.join(spec.get('devices', [])) or 'none'})"
                if spec.get("present") else "(missing)"),
-            f"Device plugin:  {plugin['path'] + ' (present)' if plugin else 'no spec yet'}",
+            f"Device plugin:  {_plugin_line(report, plugin)}",
         ]
         gpus = report.sections.get("gpus")
         if gpus and gpus["listed"]:

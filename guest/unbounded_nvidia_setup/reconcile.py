@@ -196,7 +196,8 @@ def serving(generator: cdi.Generator) -> str:
     if found.serves_none:
         return (f"Up without GPUs: NVML can use none of the {listed} GPUs ({bad}); no CDI spec "
                 "is installed: keep GPU pods off this node")
-    return f"Ready (degraded): the spec serves {len(found.serve_minors())} of {listed} GPUs, {bad}"
+    return (f"Ready (degraded): the spec serves {len(found.serve_minors())} of {listed} GPUs, "
+            f"{bad}; NVIDIA's device plugin serves none while a GPU is unusable")
 
 
 def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:

@@ -12,6 +12,15 @@ from . import outcome
 from .config import Machine
 from .problems import Problem
 
+# Measured with NVIDIA's device plugin v0.20.0 (tests/test_device_plugin.py): its device
+# map asks NVML for every GPU by index at its start, and a GPU NVML cannot use ends the
+# process ("error building GPU device map: error getting device handle for index 'N':
+# GPU is lost"). It registers nothing and writes no spec: while a GPU is unusable, no pod
+# gets a GPU through it, whatever our spec serves. Nothing in our root or spec can
+# change that.
+PLUGIN_WORD = ("NVIDIA's device plugin (v0.20) exits at its start while NVML cannot use "
+               "one of the GPUs, so nothing is allocated through it on this node")
+
 
 def check_gpus(machine: Machine, sections: dict[str, dict[str, Any]], doc: Any,
                found: outcome.Gpus) -> list[Problem]:
@@ -53,7 +62,7 @@ def check_gpus(machine: Machine, sections: dict[str, dict[str, Any]], doc: Any,
                else f"unusable ({u.code}, {text})")
         problems.append(Problem(
             code, f"{name} is not in {spec}: NVML reported it {why} when the spec was "
-            f"generated; the spec serves {count} of {len(listed)} GPUs",
+            f"generated; the spec serves {count} of {len(listed)} GPUs; {PLUGIN_WORD}",
             str(machine.at(u.device or "/dev"))))
     if found.serves_none:
         why = (f"NVML answered {found.node_error} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,26 @@ PLUGIN_SPEC_CODES = {
     "bad-device-node": "plugin-spec-bad-device-node",
     "missing-library": "plugin-spec-missing-library",
 }
+
+
+# What to change when NVIDIA's device plugin wrote its spec wrong: the setting that
+# fixes each problem (docs/host-integration.md, "NVIDIA's device plugin"). Our own spec's
+# problems are ours to fix and carry none.
+PLUGIN_FIXES = {
+    "plugin-spec-missing-library": "deploy the plugin with nvidiaDriverRoot=/run/nvidia/driver "
+    "(NVIDIA_DRIVER_ROOT), then restart its pod: it reads the root as it was at its start",
+    "plugin-spec-staging-path": "deploy the plugin with nvidiaDriverRoot=/run/nvidia/driver, "
+    "never a staging mount",
+    "plugin-spec-missing-host-path": "restart the device plugin's pod: its spec names files of "
+    "a driver root replaced since it started (pod-on-old-root)",
+    "plugin-spec-no-devices": "give the plugin's container the NVIDIA device nodes (a CDI "
+    "device from /etc/cdi/nvidia.yaml, or NVIDIA's runtime) and NVIDIA_DEV_ROOT=/",
+    "plugin-spec-invalid": "restart the device plugin's pod: it writes its spec again",
+}
+# The chart's default: the dev root is the driver root, /run/nvidia/driver/dev/..., which
+# this root does not have (it holds driver files only).
+DEV_ROOT_FIX = ("set the plugin's dev root to / (NVIDIA_DEV_ROOT=/, the Helm chart's "
+                "nvidiaDevRoot: /): by default it is the driver root")
 
 
 def imex_channel(machine: Machine, node: dict[str, Any]) -> bool:
@@ -137,9 +158,13 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
         except OSError:
             st = None
         if st is None or not stat.S_ISCHR(st.st_mode):
+            fix = ""
+            if codes is PLUGIN_SPEC_CODES:
+                fix = "; " + (DEV_ROOT_FIX if host_path(machine, raw).is_relative_to(
+                    driver_root / "dev") else "restart the device plugin's pod")
             problems.append(Problem(codes["bad-device-node"],
                                     f"{where} names device node {raw!r}, which is not a "
-                                    "character device", raw))
+                                    f"character device{fix}", raw))
         elif _numbers(node) not in (None, (os.major(st.st_rdev), os.minor(st.st_rdev))):
             # The runtime makes the pod's node from the spec's numbers, not the host's
             # node: a caps or IMEX node re-created since (MIG reconfigured, a module
@@ -165,4 +190,7 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
         if not found:
             problems.append(Problem(codes[f"missing-{what}"],
                                     f"{where} does not mount {wanted} from {driver_root}", where))
+    if codes is PLUGIN_SPEC_CODES:
+        problems = [replace(p, message=f"{p.message}; {PLUGIN_FIXES[p.code]}")
+                    if p.code in PLUGIN_FIXES else p for p in problems]
     return problems
