@@ -33,6 +33,60 @@ from realmachine import real_machine
 TOOL = [sys.executable, "-m", "unbounded_nvidia_setup"]
 
 
+# NVIDIA's real device plugin, when it is beside the checkout (or UNB_TEST_DEVICE_PLUGIN
+# names it): a fresh clone has none, and the demo then imitates it, saying so.
+SHARED_PLUGIN = (Path(__file__).resolve().parent.parent.parent / "shared" / "k8s-device-plugin"
+                 / "bin" / "nvidia-device-plugin")
+
+
+def plugin_binary() -> Path | None:
+    named = os.environ.get(toolkit.PLUGIN_ENV)
+    path = Path(named) if named else SHARED_PLUGIN
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def plugin_view(m: simgpu.SimMachine, root: Path, work: Path) -> None:
+    """What the device plugin writes from the driver root alone (its pod sees no staging):
+    NVIDIA's plugin itself when it is here, else nvidia-ctk's discovery, which the
+    plugin vendors, with the staging hidden."""
+    binary = plugin_binary()
+    if binary is None:
+        step("The device plugin's view, IMITATED (NVIDIA's plugin is not beside the "
+             "checkout): nvidia-ctk's discovery, which the plugin vendors, with the staging "
+             "mounts hidden")
+        shutil.move(root / "run/host-nvidia", work / "hidden")
+        out = work / "plugin.json"
+        subprocess.run([str(toolkit.NVIDIA_CTK), "cdi", "generate",
+                        f"--driver-root={m.driver_root}", f"--dev-root={root}",
+                        "--mode=management", f"--output={out}"], check=True,
+                       capture_output=True)
+        mounts = json.loads(out.read_text())["containerEdits"]["mounts"]
+        shutil.move(work / "hidden", root / "run/host-nvidia")
+    else:
+        import nvplugin
+
+        step(f"The device plugin's view: NVIDIA's device plugin ({binary}), staging mounts "
+             "hidden, only the driver root")
+        log = work / "plugin.log"
+        with nvplugin.running(binary, root, work / "device-plugins", log=log,
+                              hide=(root / "run/host-nvidia",),
+                              extra=("--kubelet-socket=",)) as plugin:
+            spec = nvplugin.spec_path(root)
+            if not nvplugin.wait_for(spec, 30.0):
+                raise SystemExit(f"demo: NVIDIA's device plugin wrote no spec:\n"
+                                 f"{plugin.output()[-2000:]}")
+            doc = json.loads(spec.read_text())
+        mounts = [x for e in [doc.get("containerEdits", {})]
+                  + [d.get("containerEdits", {}) for d in doc.get("devices", [])]
+                  for x in e.get("mounts", [])]
+        print(f"  {spec}: kind {doc['kind']}, devices "
+              f"{[d['name'] for d in doc.get('devices', [])]}")
+    names = sorted(os.path.basename(x["hostPath"]) for x in mounts)
+    print(f"  {len(names)} mounts, including "
+          f"{[n for n in names if n.startswith(('libcuda.so.', 'libnvidia-ml.so.'))]}")
+    tool(root, "check")
+
+
 def step(title: str) -> None:
     print(f"\n\033[1m== {title}\033[0m", flush=True)
 
@@ -151,18 +205,7 @@ def main() -> int:
         tool(root, "run")
         tool(root, "check")
 
-        step("The device plugin's view: staging mounts hidden, only the driver root")
-        shutil.move(root / "run/host-nvidia", work / "hidden")
-        out = work / "plugin.json"
-        subprocess.run([str(toolkit.NVIDIA_CTK), "cdi", "generate",
-                        f"--driver-root={m.driver_root}", f"--dev-root={root}",
-                        "--mode=management", f"--output={out}"], check=True,
-                       capture_output=True)
-        mounts = json.loads(out.read_text())["containerEdits"]["mounts"]
-        names = sorted(os.path.basename(x["hostPath"]) for x in mounts)
-        print(f"  nvidia-ctk sees {len(names)} mounts, including "
-              f"{[n for n in names if n.startswith(('libcuda.so.', 'libnvidia-ml.so.'))]}")
-        shutil.move(work / "hidden", root / "run/host-nvidia")
+        plugin_view(m, root, work)
 
         step("The devices do not arrive (the host's module did not load): run keeps "
              "everything and says so (exit 75, systemd retries)")
