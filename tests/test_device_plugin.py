@@ -289,3 +289,50 @@ def test_incident_nvml_into_hidden_staging_stops_the_plugin(
     report = check_json(cli, m)
     assert plugin_codes(report) == set(), report["problems"]
     assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
+
+
+@pytest.mark.usefixtures("nvml_reading")
+def test_an_xid_79_marks_the_gpu_unhealthy_and_the_next_reload_agrees(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """Issue 32, 4d, without a booted machine, under each reading of NVML: an Xid 79 for
+    GPU 2 while the plugin runs (health checks on), after which NVML answers 15 for it.
+    The plugin marks GPU 2 Unhealthy in ListAndWatch and no other (measured: its NVML
+    stays initialised, so the loss itself reaches it only at its next start). The
+    product cannot see an Xid (only NVML, asked again, can): its next reload finds GPU 2
+    lost and agrees (degraded, gpu-lost naming it)."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    assert cli(m.root, "run").code == 0
+    with plugin_on(binary, api, m, tmp_path) as node:
+        plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
+        plugin.watch()
+        assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
+        simnvml.deliver_xid(m, 2, 79, lose=True)
+        want = {**dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY),
+                m.nvml_gpus[2]: kubelet.UNHEALTHY}
+        assert plugin.devices(until=lambda d: d == want) == want
+        assert node.plugin.wait(0) is None, node.plugin.output()
+        # check reads files: until something asks NVML again, it cannot know.
+        assert check_json(cli, m)["verdict"] == "ready"
+        assert cli(m.root, "run", "--spec-only").code == 0
+        report = check_json(cli, m)
+        assert report["verdict"] == "degraded", report
+        assert [(p["code"], p["path"]) for p in report["problems"]] == [
+            ("gpu-lost", str(m.root / "dev/nvidia2"))], report["problems"]
+
+
+def test_an_xid_48_is_the_plugins_to_see_not_the_products(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+    """An Xid after which NVML still answers (48, a double-bit ECC error): the plugin
+    marks the GPU Unhealthy until its plugins restart; NVML answers for it, so the
+    product's run, reload and check see a healthy node (docs/problems.md says so)."""
+    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
+    assert cli(m.root, "run").code == 0
+    with plugin_on(binary, api, m, tmp_path) as node:
+        plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
+        plugin.watch()
+        simnvml.deliver_xid(m, 1, 48)
+        want = {**dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY),
+                m.nvml_gpus[1]: kubelet.UNHEALTHY}
+        assert plugin.devices(until=lambda d: d == want) == want
+        assert cli(m.root, "run", "--spec-only").code == 0
+        assert check_json(cli, m)["verdict"] == "ready"
