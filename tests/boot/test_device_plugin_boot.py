@@ -1,0 +1,568 @@
+"""NVIDIA's real device plugin (v0.20.0) on the booted node, as its DaemonSet runs it
+(issue 32, points 2 and 4): Debian trixie's containerd, the machine's own kubelet.service
+playing kubelet, the plugin in a container through CRI.
+
+* **kubelet.** The machine's kubelet.service runs tests/boot/guestkubelet.py (installed
+  as /usr/local/bin/kubelet, with Debian's python3-grpcio and python3-protobuf, which
+  tests/cri.py's tree installs). The product's drop-ins make kubelet Require and follow
+  the setup, so `systemctl restart unbounded-nvidia-setup` stops and starts it, and at
+  each start it creates /var/lib/kubelet/device-plugins/kubelet.sock again, as a real
+  kubelet does. The test reads what it saw (registrations, ListAndWatch) and asks it for
+  Allocate through files under /run/test-kubelet (:class:`GuestKubelet`).
+* **The plugin.** A container through CRI (:class:`PluginDaemon`), the image made from
+  local files (tests/pluginimage.py), with the DaemonSet's settings for this root
+  (:data:`PLUGIN_ARGS`, :data:`PLUGIN_ENV`, :func:`plugin_mounts`). It gets its device
+  nodes as a CDI device from the product's own spec, ``nvidia.com/gpu=all`` (see
+  :data:`PLUGIN_CDI`). When it exits, the test's loop creates its next attempt in the
+  same sandbox, as kubelet's restart policy does (after 1 s, not kubelet's back-off).
+* **A pod through the plugin.** Allocate (through the guest's kubelet) gives CDI device
+  names; they go to containerd in ContainerConfig's CDI devices, as kubelet hands them.
+
+Marked ``device_plugin``: deselected unless UNB_TEST_DEVICE_PLUGIN names the plugin.
+Every wait is bounded; the pods are removed before the machine powers off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+import pluginimage
+
+import cri
+import elfbuild
+import pod
+import realdriver
+import toolkit
+from .harness import KUBELET, SETUP, check_json, host_command, snapshot, us
+from .nspawn import Machine, now_us
+from .test_cri import (  # noqa: F401  (cri_node: the fixture)
+    DRIVER_ROOT,
+    GPU,
+    MA,
+    PLUGIN_KIND,
+    PLUGIN_SPEC,
+    POD_TIMEOUT,
+    SLEEPER,
+    CriNode,
+    boot_ready,
+    cri_node,
+    fetch,
+    probe,
+    upgrade_staging,
+    watch_gate,
+)
+
+pytestmark = [pytest.mark.device_plugin]
+
+T = TypeVar("T")
+GUEST_KUBELET = Path(__file__).with_name("guestkubelet.py")
+KUBELET_HOME = "/run/test-kubelet"
+DESCRIPTORS = "/usr/local/lib/unb-test-kubelet/api.desc"
+PLUGIN_REF = "localhost/unb-nvidia-device-plugin:v0.20.0"
+GUEST_PLUGIN_IMAGE = "/var/lib/unb-test-plugin-image/plugin.tar"
+DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
+RESOURCE = "nvidia.com/gpu"
+WAIT = 60.0
+RESTART_DELAY = 1.0
+MOUNT_FAILURE = "failed to fulfil mount request"
+
+# NVIDIA's chart for a driver root at /run/nvidia/driver with nvidiaDevRoot=/ and the
+# cdi-cri strategy: its flags and environment.
+PLUGIN_ARGS = ["--device-list-strategy=cdi-cri", f"--nvidia-driver-root={DRIVER_ROOT}",
+               "--container-driver-root=/driver-root",
+               "--nvidia-cdi-hook-path=/usr/bin/nvidia-cdi-hook"]
+PLUGIN_ENV = {"NVIDIA_DRIVER_ROOT": DRIVER_ROOT, "CONTAINER_DRIVER_ROOT": "/driver-root",
+              "NVIDIA_DEV_ROOT": "/", "DEVICE_LIST_STRATEGY": "cdi-cri"}
+# The chart's container gets every NVIDIA node through NVIDIA's runtime
+# (NVIDIA_VISIBLE_DEVICES=all). Here runc alone runs it, so it asks for our spec's `all`
+# device, which gives exactly the NVIDIA nodes as that does. The differences: our spec
+# must exist before the plugin's container is created (containerd refuses an unknown
+# CDI device), and the container also gets the driver's libraries mounted and the
+# spec's hooks run, which the plugin does not use (it loads NVML from /driver-root).
+PLUGIN_CDI = GPU
+
+
+def plugin_mounts() -> list[tuple[str, str, bool]]:
+    """(container path, host path, read-only): the DaemonSet's hostPath volumes, and
+    one that a real node does not need: the machine's /proc/driver at
+    /run/simulated-nvml. runc gives a container a fresh /proc, in which this host's
+    kernel lists no NVIDIA module, so the simulated NVML (tests/simnvml.c) reads the
+    machine's module files there; a real NVML talks to the kernel through the nodes."""
+    return [("/driver-root", DRIVER_ROOT, True),
+            (DEVICE_PLUGINS, DEVICE_PLUGINS, False),
+            ("/var/run/cdi", "/var/run/cdi", False),
+            ("/run/simulated-nvml", "/proc/driver", True)]
+
+
+def wait_for(probe_fn: Callable[[], T | None], what: str, timeout: float = WAIT,
+             detail: Callable[[], object] = lambda: None) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe_fn()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s; {detail()}")
+        time.sleep(0.1)
+
+
+# -- the machine's kubelet ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def descriptors(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """tests/deviceplugin/api.proto as a FileDescriptorSet (the host's protoc)."""
+    from grpc_tools import protoc
+
+    from kubelet import PROTO
+    out = tmp_path_factory.mktemp("dp-desc") / "api.desc"
+    code = protoc.main(["grpc_tools.protoc", f"-I{PROTO.parent}",
+                        f"--descriptor_set_out={out}", str(PROTO)])
+    assert code == 0, f"protoc failed ({code})"
+    return out.read_bytes()
+
+
+def install(cn: CriNode, desc: bytes) -> None:
+    """Before the boot: the guest kubelet as the kubelet unit's program, its
+    descriptors, and the plugin's image archive in the machine."""
+    root = cn.node.rootfs
+    binary = toolkit.plugin_binary()
+    assert binary is not None
+    kubelet = root / "usr/local/bin/kubelet"
+    kubelet.unlink()
+    shutil.copyfile(GUEST_KUBELET, kubelet)
+    kubelet.chmod(0o755)
+    (root / DESCRIPTORS.lstrip("/")).parent.mkdir(parents=True)
+    (root / DESCRIPTORS.lstrip("/")).write_bytes(desc)
+    image = root / GUEST_PLUGIN_IMAGE.lstrip("/")
+    image.parent.mkdir(parents=True)
+    shutil.copyfile(pluginimage.plugin_archive(binary, toolkit.NVIDIA_CDI_HOOK, PLUGIN_REF), image)
+
+
+class GuestKubelet:
+    """The host's side of tests/boot/guestkubelet.py in machine ``m``."""
+
+    def __init__(self, m: Machine) -> None:
+        self.m = m
+
+    def path(self, rel: str) -> Path:
+        return Path(f"/proc/{self.m.leader}/root{KUBELET_HOME}/{rel}")
+
+    def state(self) -> dict[str, Any]:
+        try:
+            doc: dict[str, Any] = json.loads(self.path("state.json").read_text())
+            return doc
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def wait_started(self, after_us: int = 0) -> dict[str, Any]:
+        """Its state once a kubelet started after ``after_us`` serves kubelet.sock."""
+        return wait_for(lambda: (s := self.state()).get("socket_mono_us") and
+                        s["started_mono_us"] > after_us and s, "the guest kubelet serving",
+                        detail=lambda: self.m.states(KUBELET))
+
+    def wait_registration(self, after_us: int = 0, timeout: float = WAIT) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            regs = [r for r in self.state().get("registrations", []) if r["mono_us"] > after_us]
+            return regs[-1] if regs else None
+        return wait_for(found, "a registration with the guest kubelet", timeout,
+                        detail=self.state)
+
+    def wait_devices(self, until: Callable[[dict[str, str]], bool], after_us: int = 0,
+                     timeout: float = WAIT) -> dict[str, str]:
+        """The latest ListAndWatch list of a stream opened after ``after_us``, once
+        ``until`` holds for it."""
+        def found() -> dict[str, str] | None:
+            watches = [w for w in self.state().get("watches", []) if w["mono_us"] > after_us]
+            if watches and watches[-1]["lists"]:
+                devices: dict[str, str] = watches[-1]["lists"][-1]["devices"]
+                return devices if until(devices) else None
+            return None
+        return wait_for(found, "ListAndWatch as awaited", timeout, detail=self.state)
+
+    def ask(self, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        name = f"{uuid.uuid4().hex}.json"
+        tmp = self.path(f"requests/.{name}")
+        tmp.write_text(json.dumps(request))
+        os.replace(tmp, self.path(f"requests/{name}"))
+        answer = self.path(f"answers/{name}")
+        wait_for(answer.exists, f"the guest kubelet's answer to {request}", timeout)
+        doc: dict[str, Any] = json.loads(answer.read_text())
+        return doc
+
+    def allocate(self, ids: list[str]) -> dict[str, Any]:
+        answer = self.ask({"op": "allocate", "ids": ids})
+        assert "error" not in answer, answer
+        return answer
+
+
+# -- the plugin's DaemonSet -----------------------------------------------------------------
+
+
+class PluginDaemon:
+    """NVIDIA's plugin as its DaemonSet's pod on machine ``m``: one sandbox, the
+    container created again (attempt + 1) whenever it exited (:data:`RESTART_DELAY`)."""
+
+    NAME = "nvidia-device-plugin-ctr"
+
+    def __init__(self, m: Machine) -> None:
+        assert m.leader is not None
+        self.m = m
+        self.c = cri.Cri(m.leader)
+        self.sandbox: tuple[str, Any] | None = None
+        self.ctr: cri.Container | None = None
+        self.attempt = -1
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="plugin daemon")
+
+    def _note(self, event: str, **more: Any) -> None:
+        self.events.append({"event": event, "mono_us": now_us(), "attempt": self.attempt,
+                            **more})
+
+    def start(self) -> None:
+        self.sandbox = self.c.run_pod("nvidia-device-plugin")
+        with self._lock:
+            self._create()
+        self._thread.start()
+
+    def _create(self) -> None:
+        assert self.sandbox is not None
+        pb = self.c.pb
+        self.attempt += 1
+        self._note("creating")
+        sid, sconfig = self.sandbox
+        config = pb.ContainerConfig(
+            metadata=pb.ContainerMetadata(name=self.NAME, attempt=self.attempt),
+            image=pb.ImageSpec(image=PLUGIN_REF),
+            command=["/usr/bin/nvidia-device-plugin"], args=PLUGIN_ARGS,
+            envs=[pb.KeyValue(key=k, value=v) for k, v in PLUGIN_ENV.items()],
+            mounts=[pb.Mount(container_path=c, host_path=h, readonly=ro)
+                    for c, h, ro in plugin_mounts()],
+            CDI_devices=[pb.CDIDevice(name=PLUGIN_CDI)],
+            log_path=f"{self.NAME}_{self.attempt}.log")
+        res = self.c.call("CreateContainer", pb.CreateContainerRequest(
+            pod_sandbox_id=sid, config=config, sandbox_config=sconfig))
+        log = Path(f"/proc/{self.m.leader}/root{sconfig.log_directory}/"
+                   f"{self.NAME}_{self.attempt}.log")
+        self.ctr = cri.Container(str(res.container_id), sid, log)
+        self.c.start(self.ctr)
+        self._note("started", id=self.ctr.id)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                with self._lock:
+                    if self._stop.is_set() or self.ctr is None:
+                        continue
+                    st = self.c.status(self.ctr)
+                    if st.state != self.c.pb.CONTAINER_EXITED:
+                        continue
+                    self._note("exited", code=int(st.exit_code), reason=st.reason,
+                               log_tail=self.log(self.attempt)[-600:])
+                self._stop.wait(RESTART_DELAY)
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._create()
+            except Exception as e:  # containerd restarting: kubelet retries too
+                self._note("cri-error", error=str(e)[:300])
+                self.c.close()
+                self.c = cri.Cri(self.m.leader)  # type: ignore[arg-type]
+
+    def restart(self) -> None:
+        """kubelet's restart of the plugin's container (the host agent's one step:
+        `crictl stop` of it, or deleting the pod): stopped, then its next attempt."""
+        with self._lock:
+            assert self.ctr is not None
+            self.c.call("StopContainer", self.c.pb.StopContainerRequest(
+                container_id=self.ctr.id, timeout=10), timeout=30)
+            self._note("stopped by the test")
+            self._create()
+
+    def running(self) -> bool:
+        with self._lock:
+            return self.ctr is not None and self.c.running(self.ctr)
+
+    def log(self, attempt: int | None = None) -> str:
+        attempts = range(self.attempt + 1) if attempt is None else [attempt]
+        assert self.sandbox is not None
+        base = f"/proc/{self.m.leader}/root{self.sandbox[1].log_directory}"
+        out = []
+        for a in attempts:
+            p = Path(f"{base}/{self.NAME}_{a}.log")
+            text = p.read_text(errors="replace") if p.exists() else ""
+            out.append(f"--- attempt {a}\n" + "".join(cri.parse_log(text)))
+        return "\n".join(out)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(15)
+        if self.sandbox is not None:
+            self.c.remove_pod(self.sandbox[0])
+        self.c.close()
+
+
+# -- what the scenarios share ----------------------------------------------------------------
+
+
+def spec_file(m: Machine) -> Path:
+    """The plugin's spec as the host reaches it: the machine's /var/run is a link to
+    /run, and an absolute link under /proc/<pid>/root resolves in the host's root."""
+    assert m.leader is not None
+    return Path(f"/proc/{m.leader}/root{PLUGIN_SPEC.replace('/var/run/', '/run/')}")
+
+
+def spec_doc(m: Machine) -> dict[str, Any] | None:
+    try:
+        doc: dict[str, Any] = json.loads(spec_file(m).read_text())
+        return doc
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def spec_mtime_us(m: Machine) -> int:
+    """The spec's mtime on CLOCK_MONOTONIC (the machine shares the host's clocks)."""
+    real = spec_file(m).stat().st_mtime_ns // 1000
+    return real - (time.time_ns() // 1000 - now_us())
+
+
+def edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [doc.get("containerEdits", {}), *(d["containerEdits"] for d in doc["devices"])]
+
+
+def host_paths(doc: dict[str, Any]) -> list[str]:
+    paths = []
+    for e in edits(doc):
+        paths += [x["hostPath"] for x in e.get("mounts", [])]
+        paths += [x.get("hostPath") or x["path"] for x in e.get("deviceNodes", [])]
+        paths += [x["path"] for x in e.get("hooks", [])]
+    return paths
+
+
+def mounted(doc: dict[str, Any]) -> list[str]:
+    return sorted({x["hostPath"] for e in edits(doc) for x in e.get("mounts", [])})
+
+
+def absent(m: Machine, paths: list[str]) -> list[str]:
+    """The paths that do not exist in the machine."""
+    res = m.exec("python3", "-c", "import json, os, sys\n"
+                 "print(json.dumps([p for p in sys.argv[1:] if not os.path.lexists(p)]))",
+                 *paths)
+    found: list[str] = json.loads(res.stdout)
+    return found
+
+
+def summary(m: Machine, version: str) -> dict[str, Any]:
+    """What the plugin's spec says now: its libcuda and NVML, whether it names
+    ``version``'s libcuda, and the hostPaths absent from the machine."""
+    doc = spec_doc(m)
+    if doc is None:
+        return {"spec": None}
+    libs = [os.path.basename(p) for p in mounted(doc)]
+    return {"libcuda": sorted(n for n in libs if n.startswith("libcuda.so")),
+            "nvml": sorted(n for n in libs if n.startswith("libnvidia-ml.so")),
+            "mounts": len(libs), "names_version": f"libcuda.so.{version}" in libs,
+            "absent": absent(m, host_paths(doc)), "mtime_us": spec_mtime_us(m)}
+
+
+def plugin_node(cri_node: Any, desc: bytes, drv: realdriver.RealDriver) -> CriNode:  # noqa: F811
+    cn: CriNode = cri_node(drv, nvml=True, gpus=2)
+    install(cn, desc)
+    return cn
+
+
+def up(cn: CriNode, m: Machine) -> tuple[cri.Cri, GuestKubelet]:
+    c = boot_ready(cn, m)
+    m.exec("ctr", "-n", cri.NAMESPACE, "images", "import", GUEST_PLUGIN_IMAGE, timeout=120)
+    k = GuestKubelet(m)
+    k.wait_started()
+    return c, k
+
+
+def pod_through_plugin(c: cri.Cri, k: GuestKubelet, name: str, gpu: str) -> dict[str, Any]:
+    """Allocate ``gpu`` through the machine's kubelet, then a pod given the CDI devices
+    Allocate answered: the probe's report."""
+    allocation = k.allocate([gpu])
+    assert allocation["cdi_devices"] == [f"{PLUGIN_KIND}={gpu}"], allocation
+    ex = c.run(name, ["python3", "-c", pod.PROBE], cdi=allocation["cdi_devices"],
+               timeout=POD_TIMEOUT)
+    return pod.Pod(ex.code, ex.stdout, ex.stderr).report()
+
+
+def assert_pod_gets(report: dict[str, Any], minor: int, version: str) -> None:
+    gpus = {d for d in report["devices"] if d.removeprefix("nvidia").isdigit()}
+    assert gpus == {f"nvidia{minor}"} and "nvidiactl" in report["devices"], report
+    gaps = [g for g in pod.missing(report, version) if g != "/dev/nvidia0 and /dev/nvidiactl"]
+    assert gaps == [], report
+
+
+# -- a: boot ---------------------------------------------------------------------------------
+
+
+def test_a_boot_the_plugin_registers_writes_its_spec_and_a_pod_gets_its_gpu(
+        cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+    """a. A booted node (NVML mode, Debian's 535): the plugin's container registers with
+    the machine's kubelet and lists both GPUs Healthy; its spec mounts libcuda, NVML and
+    nvidia-smi from /run/nvidia/driver, every hostPath exists in the machine, `check`
+    finds no plugin-spec problem; a pod allocated GPU 1 through it gets /dev/nvidia1,
+    libcuda, NVML and nvidia-smi. The time from the setup's start to the spec written is
+    printed."""
+    drv = fetch("bookworm")
+    cn = plugin_node(cri_node, descriptors, drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    with cn.machine() as m:
+        c, k = up(cn, m)
+        daemon = PluginDaemon(m)
+        try:
+            daemon.start()
+            reg = k.wait_registration()
+            assert (reg["version"], reg["endpoint"], reg["resource_name"]) == (
+                "v1beta1", "nvidia-gpu.sock", RESOURCE), reg
+            listed = k.wait_devices(lambda d: len(d) == len(uuids))
+            assert listed == dict.fromkeys(uuids, "Healthy"), listed
+            doc = wait_for(lambda: spec_doc(m), "the plugin's spec", detail=daemon.log)
+            assert doc["kind"] == PLUGIN_KIND
+            assert sorted(d["name"] for d in doc["devices"]) == sorted(uuids), doc
+            lib = f"{DRIVER_ROOT}/lib/{MA}"
+            libs = mounted(doc)
+            for path in (f"{lib}/libcuda.so.{drv.version}", f"{lib}/libnvidia-ml.so.{drv.version}"):
+                assert path in libs, libs
+            smi = [p for p in libs if os.path.basename(p) == "nvidia-smi"]
+            assert smi and all(p.startswith(DRIVER_ROOT + "/") for p in smi), libs
+            assert [p for p in libs if not p.startswith((DRIVER_ROOT + "/", "/dev/"))] == [], libs
+            assert absent(m, host_paths(doc)) == [], doc
+            report = check_json(m)
+            assert report["device_plugin_spec"]["present"] is True, report
+            assert [p for p in report["problems"] if p["code"].startswith("plugin-spec-")] == \
+                [], report["problems"]
+            result = pod_through_plugin(c, k, "gpu-through-plugin", uuids[1])
+            assert_pod_gets(result, 1, drv.version)
+
+            snap = snapshot(m)
+            setup_start = us(snap[SETUP], "ExecMainStartTimestampMonotonic")
+            marks = {"setup active": us(snap[SETUP], "ActiveEnterTimestampMonotonic"),
+                     "kubelet started": us(snap[KUBELET], "ExecMainStartTimestampMonotonic"),
+                     "plugin container created": daemon.events[0]["mono_us"],
+                     "plugin container started": daemon.events[1]["mono_us"],
+                     "registered": reg["mono_us"], "spec written": spec_mtime_us(m)}
+            line = ", ".join(f"{k_} +{(v - setup_start) / 1e3:.0f} ms" for k_, v in marks.items())
+            gap = (marks["spec written"] - marks["plugin container created"]) / 1e3
+            print(f"device plugin boot (a): from the setup's start: {line}; plugin container "
+                  f"created -> spec {gap:.0f} ms", flush=True)
+            assert daemon.attempt == 0, daemon.events
+        finally:
+            daemon.close()
+            c.remove_all()
+
+
+# -- c: a driver upgrade ---------------------------------------------------------------------
+
+
+def upgrade_to(cn: CriNode, new: realdriver.RealDriver) -> None:
+    """test_cri's staging change, then the simulated NVML again in place of Debian's
+    (NVML mode: the GPUs answer it; its version is its file name's)."""
+    upgrade_staging(cn, new)
+    for old in cn.node.sim.lib_dir.glob("libnvidia-ml.so.*"):
+        if not old.is_symlink():
+            old.unlink()
+    elfbuild.compile_so(cn.node.sim.lib_dir / f"libnvidia-ml.so.{new.version}",
+                        elfbuild.NVML_SONAME)
+
+
+def test_c_driver_upgrade_under_the_running_plugin(
+        cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+    """c. The plugin runs (535); the staging goes 535 -> 550 and `systemctl restart
+    unbounded-nvidia-setup` runs: the machine's kubelet restarts with it (kubelet.sock
+    created again). What happens by itself is measured and printed; then the host
+    agent's one step, the plugin's container restarted, and the node ends right: the
+    plugin's spec names 550, every hostPath exists, a new pod through the plugin starts
+    with 550, and the incident's mount failure is not where it ends."""
+    old_drv, new_drv = fetch("bookworm"), fetch("trixie")
+    cn = plugin_node(cri_node, descriptors, old_drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    with cn.machine() as m:
+        c, k = up(cn, m)
+        daemon = PluginDaemon(m)
+        try:
+            daemon.start()
+            k.wait_registration()
+            k.wait_devices(lambda d: len(d) == len(uuids))
+            wait_for(lambda: (s := summary(m, old_drv.version)).get("names_version") and s,
+                     "the plugin's spec naming 535", detail=daemon.log)
+            assert_pod_gets(pod_through_plugin(c, k, "before", uuids[1]), 1, old_drv.version)
+
+            upgrade_to(cn, new_drv)
+            t0 = now_us()
+            res = host_command(m, "restart")
+            assert res.returncode == 0, res.stderr
+            watch_gate(m)
+            kubelet_again = k.wait_started(after_us=t0)
+            # By itself: what the plugin does in a bounded window after the restart.
+            timeline: list[dict[str, Any]] = []
+            deadline = time.monotonic() + 45
+            while time.monotonic() < deadline:
+                s = summary(m, new_drv.version)
+                regs = [r["mono_us"] for r in k.state().get("registrations", [])
+                        if r["mono_us"] > t0]
+                entry = {"t_ms": (now_us() - t0) // 1000, "registrations": len(regs),
+                         "plugin_attempt": daemon.attempt, **{
+                             key: s.get(key) for key in ("libcuda", "nvml", "mounts",
+                                                         "absent")}}
+                if not timeline or {x: y for x, y in entry.items() if x != "t_ms"} != \
+                        {x: y for x, y in timeline[-1].items() if x != "t_ms"}:
+                    timeline.append(entry)
+                if regs and s.get("names_version") and not s.get("absent"):
+                    break
+                time.sleep(0.5)
+            by_itself: dict[str, Any] = {"timeline": timeline,
+                                         "kubelet restarted at_ms":
+                                             (kubelet_again["started_mono_us"] - t0) // 1000,
+                                         "daemon events": [e for e in daemon.events
+                                                           if e["mono_us"] > t0]}
+            try:
+                report = pod_through_plugin(c, k, "after-by-itself", uuids[1])
+                by_itself["new pod"] = {"started": True,
+                                        "gaps": pod.missing(report, new_drv.version)}
+            except (cri.CriError, AssertionError) as e:
+                by_itself["new pod"] = {"started": False, "error": str(e)[:600]}
+            healed = bool(by_itself["new pod"]["started"] and timeline and
+                          timeline[-1]["libcuda"] == [f"libcuda.so.{new_drv.version}"] and
+                          not timeline[-1]["absent"])
+            print("device plugin upgrade (c), by itself: " + json.dumps(by_itself, indent=1),
+                  flush=True)
+            print(f"device plugin upgrade (c): healed by itself: {healed}", flush=True)
+
+            # The host agent's one step: kubelet's restart of the plugin's container.
+            t1 = now_us()
+            daemon.restart()
+            k.wait_registration(after_us=t1)
+            k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"), after_us=t1)
+            end = wait_for(lambda: (s := summary(m, new_drv.version)).get("names_version")
+                           and s["mtime_us"] > t1 and s, "the spec naming 550",
+                           detail=daemon.log)
+            assert end["libcuda"] == [f"libcuda.so.{new_drv.version}"], end
+            assert end["nvml"] == [f"libnvidia-ml.so.{new_drv.version}"], end
+            assert end["absent"] == [], end
+            try:
+                report = pod_through_plugin(c, k, "after-restart", uuids[1])
+            except cri.CriError as e:
+                assert MOUNT_FAILURE not in str(e), e
+                raise
+            assert_pod_gets(report, 1, new_drv.version)
+            print(f"device plugin upgrade (c): after the plugin's restart: spec "
+                  f"{(end['mtime_us'] - t1) / 1e3:.0f} ms after the step", flush=True)
+        finally:
+            daemon.close()
+            c.remove_all()
