@@ -42,9 +42,11 @@ import cri
 import elfbuild
 import pod
 import realdriver
+import simnvml
 import toolkit
-from .harness import KUBELET, SETUP, check_json, host_command, snapshot, us
+from .harness import KUBELET, SETUP, check_json, host_command, snapshot, sync_proc_driver, us
 from .nspawn import Machine, now_us
+from .test_boot import CHECK as CHECK_UNIT
 from .test_cri import (  # noqa: F401  (cri_node: the fixture)
     DRIVER_ROOT,
     GPU,
@@ -591,6 +593,116 @@ def test_c_driver_upgrade_under_the_running_plugin(
             assert_pod_gets(report, 1, new_drv.version)
             print(f"device plugin upgrade (c): after the plugin's restart: spec "
                   f"{(end['mtime_us'] - t1) / 1e3:.0f} ms after the step", flush=True)
+        finally:
+            daemon.close()
+            c.remove_all()
+
+
+# -- d: Xids while the plugin runs -------------------------------------------------------------
+
+
+def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+    """d. The plugin runs on two GPUs. GPU 0 reports Xid 13, which it ignores; then Xid
+    48 (NVML still answers for it); GPU 1 reports Xid 79 and falls off the bus (NVML
+    answers 15 for it from its next init). The plugin marks both Unhealthy in
+    ListAndWatch (it ignores only 13, 31, 43, 45, 68, 109). The product sees GPU 1 only:
+    `check` still says ready (it does not ask NVML), so does the drift check's unit (as
+    its timer starts it; recorded), and after the product's reload `check` names GPU 1
+    lost, and never GPU 0."""
+    drv = fetch("bookworm")
+    cn = plugin_node(cri_node, descriptors, drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    with cn.machine() as m:
+        c, k = up(cn, m)
+        daemon = PluginDaemon(m)
+        try:
+            daemon.start()
+            k.wait_registration()
+            k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"))
+            # An Xid the plugin ignores (13, a graphics engine exception) changes nothing.
+            simnvml.deliver_xid(cn.node.sim, 0, 13)
+            sync_proc_driver(cn.node)
+            time.sleep(2)
+            lists = k.state()["watches"][-1]["lists"]
+            assert [x["devices"] for x in lists] == [dict.fromkeys(uuids, "Healthy")], lists
+            t0 = now_us()
+            simnvml.deliver_xid(cn.node.sim, 0, 48)
+            simnvml.deliver_xid(cn.node.sim, 1, 79, lose=True)
+            sync_proc_driver(cn.node)
+            listed = k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Unhealthy"))
+            state = k.state()
+            marked = [x["mono_us"] for x in state["watches"][-1]["lists"]
+                      if all(h == "Unhealthy" for h in x["devices"].values())]
+            print(f"device plugin Xid (d): both GPUs Unhealthy in ListAndWatch "
+                  f"{(marked[0] - t0) / 1e3:.0f} ms after the Xids; {listed}", flush=True)
+            assert daemon.attempt == 0 and daemon.running(), daemon.log()
+            before = check_json(m)
+            drift = m.systemctl("start", CHECK_UNIT)
+            after_drift = check_json(m)
+            res = m.systemctl("reload", SETUP)
+            assert res.returncode == 0, res.stdout + res.stderr
+            after = check_json(m)
+            seen = {"check before": (before["verdict"], [p["code"] for p in before["problems"]]),
+                    "drift check unit exit": drift.returncode,
+                    "check after drift check": (after_drift["verdict"],
+                                                [p["code"] for p in after_drift["problems"]]),
+                    "check after reload": (after["verdict"],
+                                           [(p["code"], p["path"]) for p in after["problems"]])}
+            print("device plugin Xid (d), the product: " + json.dumps(seen), flush=True)
+            assert before["verdict"] == "ready", before
+            assert after["verdict"] == "degraded", after
+            assert [(p["code"], p["path"]) for p in after["problems"]] == [
+                ("gpu-lost", "/dev/nvidia1")], after["problems"]
+            # The plugin, still running, still lists both Unhealthy (until its plugins restart).
+            assert k.wait_devices(lambda d: True) == dict.fromkeys(uuids, "Unhealthy")
+        finally:
+            daemon.close()
+            c.remove_all()
+
+
+# -- e: a lost GPU at the plugin's start --------------------------------------------------------
+
+
+LOST_GPU_ERROR = ("error starting plugins: error getting plugins: unable to create plugins: "
+                  "failed to construct resource managers: error building device map: error "
+                  "building device map from config.resources: error building GPU device map: "
+                  "error getting device handle for index '1': GPU is lost")
+
+
+def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+    """e. Three GPUs, GPU 1 lost before the boot: the product comes up degraded and its
+    spec serves GPUs 0 and 2, but NVIDIA's plugin exits 1 at every start (kubelet
+    restarting it), never registers and writes no spec: on this node pods get no GPU
+    through it. What `check`, STATUS= and the restarts show is printed."""
+    drv = fetch("bookworm")
+    cn: CriNode = cri_node(drv, nvml=True, gpus=3, lost=[1])
+    install(cn, descriptors)
+    with cn.machine() as m:
+        c, k = up(cn, m)
+        daemon = PluginDaemon(m)
+        try:
+            t0 = now_us()
+            daemon.start()
+            wait_for(lambda: len([e for e in daemon.events if e["event"] == "exited"]) >= 3,
+                     "three exits of the plugin", detail=daemon.log)
+            exits = [e for e in daemon.events if e["event"] == "exited"]
+            firsts = [(e["mono_us"] - t0) // 1000 for e in exits]
+            print(f"device plugin lost GPU (e): exits at {firsts} ms after the first start "
+                  f"(restart delay {RESTART_DELAY} s here; kubelet backs off 10 s, 20 s, ... "
+                  "to 5 min: CrashLoopBackOff)", flush=True)
+            for e in exits:
+                assert e["code"] == 1, e
+                assert e["log_tail"].rstrip().endswith(LOST_GPU_ERROR), e["log_tail"]
+            assert k.state().get("registrations") == [], k.state()
+            assert spec_doc(m) is None
+            report = check_json(m)
+            status = m.prop(SETUP, "StatusText")
+            print("device plugin lost GPU (e), the product: " + json.dumps({
+                "verdict": report["verdict"],
+                "problems": [p["message"] for p in report["problems"]],
+                "device_plugin_spec": report.get("device_plugin_spec"), "STATUS": status}),
+                flush=True)
+            assert report["verdict"] == "degraded", report
         finally:
             daemon.close()
             c.remove_all()
