@@ -706,3 +706,91 @@ def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes) ->
         finally:
             daemon.close()
             c.remove_all()
+
+
+# -- b: the incident, with its own component ---------------------------------------------------
+
+
+@pytest.mark.parametrize("links", [("libcuda.so", "libnvidia-ml.so"), ("libcuda.so",),
+                                   ("libnvidia-ml.so",)], ids=["both", "libcuda", "nvml"])
+def test_b_the_older_agents_root_under_the_plugin(
+        cri_node: Any, descriptors: bytes, links: tuple[str, ...]) -> None:  # noqa: F811
+    """b. The older agent's root: ``links`` in /run/nvidia/driver as absolute
+    links into /run/host-nvidia/0, which the machine sees (its containerd mounts them for
+    our spec) but the plugin's container, given /run/nvidia/driver alone, does not. What
+    the plugin writes or fails to write, what `check` says, and what a pod through the
+    plugin meets are printed and asserted as measured: with both links the plugin exits 1
+    at every start (no spec); with one, it registers and writes the incident's spec
+    without that library, `check` says plugin-spec-missing-library of it, and a pod
+    through the plugin lacks it; without NVML, nvidia-smi in the pod says the incident's
+    "couldn't find libnvidia-ml.so"."""
+    drv = fetch("bookworm")
+    cn = plugin_node(cri_node, descriptors, drv)
+    uuids = list(cn.node.sim.nvml_gpus)
+    with cn.machine() as m:
+        c, k = up(cn, m)
+        libdir = f"{DRIVER_ROOT}/lib/{MA}"
+        for stem in links:
+            name = f"{stem}.{drv.version}"
+            m.exec("ln", "-sf", f"/run/host-nvidia/0/{name}", f"{libdir}/{name}")
+        daemon = PluginDaemon(m)
+        try:
+            daemon.start()
+            outcome = wait_for(
+                lambda: ("registered" if k.state().get("registrations") and spec_doc(m)
+                         else "exited" if any(e["event"] == "exited" for e in daemon.events)
+                         else None), "the plugin registering or exiting", detail=daemon.log)
+            seen: dict[str, Any] = {"plugin": outcome}
+            if outcome == "exited":
+                seen["exit"] = next(e["log_tail"][-400:] for e in daemon.events
+                                    if e["event"] == "exited")
+            else:
+                doc = spec_doc(m)
+                assert doc is not None
+                names = [os.path.basename(p) for p in mounted(doc)]
+                seen["spec libcuda"] = [n for n in names if n.startswith("libcuda.so")]
+                seen["spec nvml"] = [n for n in names if n.startswith("libnvidia-ml.so")]
+                seen["spec mounts"] = len(names)
+            report = check_json(m)
+            seen["check"] = (report["verdict"], sorted({p["code"] for p in report["problems"]}))
+            seen["check plugin-spec"] = [p["message"] for p in report["problems"]
+                                         if p["code"].startswith("plugin-spec-")]
+            if outcome == "registered":
+                try:
+                    result = pod_through_plugin(c, k, "incident-pod", uuids[1])
+                    seen["pod nvidia-smi"] = result["nvidia_smi"]
+                    seen["pod gaps"] = pod.missing(result, drv.version)
+                except cri.CriError as e:
+                    seen["pod"] = str(e)[-400:]
+            print(f"device plugin incident (b, {'+'.join(links)}): " + json.dumps(seen, indent=1),
+                  flush=True)
+            # As measured: NVML loads (the plugin's container has it from our spec's
+            # `all` device) and names the driver's version; the spec generation looks for
+            # that version's libcuda, then NVML, under /driver-root.
+            assert {"root-absolute-link", "root-escaping-link"} <= set(seen["check"][1]), seen
+            if links == ("libcuda.so", "libnvidia-ml.so"):
+                assert outcome == "exited", seen
+                assert f'failed to locate "libcuda.so.": libcuda.so.{drv.version}: not found' \
+                    in seen["exit"], seen
+                assert seen["check plugin-spec"] == [], seen
+                return
+            assert outcome == "registered", seen
+            lost = links[0]
+            kept = "libnvidia-ml.so" if lost == "libcuda.so" else "libcuda.so"
+            key = {"libcuda.so": "spec libcuda", "libnvidia-ml.so": "spec nvml"}
+            assert seen[key[lost]] == [] and seen[key[kept]] == [f"{kept}.{drv.version}"], seen
+            assert len(seen["check plugin-spec"]) == 1, seen
+            assert f"does not mount {lost}.{drv.version}" in seen["check plugin-spec"][0], seen
+            if lost == "libcuda.so":
+                assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
+                                            "libcuda.so.1 in the linker cache",
+                                            "cuInit answering a CUDA error code"], seen
+            else:  # the incident's pod: nvidia-smi cannot find NVML
+                assert pod.SMI_NO_NVML in seen["pod nvidia-smi"][1], seen
+                assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
+                                            "libnvidia-ml.so.1 in the linker cache",
+                                            "nvmlInit_v2 answering 9",
+                                            "nvidia-smi loading NVML"], seen
+        finally:
+            daemon.close()
+            c.remove_all()
