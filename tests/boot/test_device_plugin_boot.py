@@ -87,10 +87,13 @@ PLUGIN_ENV = {"NVIDIA_DRIVER_ROOT": DRIVER_ROOT, "CONTAINER_DRIVER_ROOT": "/driv
               "NVIDIA_DEV_ROOT": "/", "DEVICE_LIST_STRATEGY": "cdi-cri"}
 # The chart's container gets every NVIDIA node through NVIDIA's runtime
 # (NVIDIA_VISIBLE_DEVICES=all). Here runc alone runs it, so it asks for our spec's `all`
-# device, which gives exactly the NVIDIA nodes as that does. The differences: our spec
-# must exist before the plugin's container is created (containerd refuses an unknown
-# CDI device), and the container also gets the driver's libraries mounted and the
-# spec's hooks run, which the plugin does not use (it loads NVML from /driver-root).
+# device, which gives exactly the NVIDIA nodes as that does (privileged would give it
+# every node of the machine). How it differs: our spec must exist before the plugin's
+# container is created (containerd refuses an unknown CDI device: the setup gates
+# containerd, so it does on this node), and the spec's driver libraries are mounted
+# into the container and its hooks run there. NVIDIA's runtime injects the libraries of
+# its default capabilities (utility, compute) too; measured here (b): when /driver-root
+# lacks NVML, the plugin loads this injected copy instead of failing on its flags.
 PLUGIN_CDI = GPU
 
 
