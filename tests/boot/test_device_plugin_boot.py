@@ -44,7 +44,16 @@ import pod
 import realdriver
 import simnvml
 import toolkit
-from .harness import KUBELET, SETUP, check_json, host_command, snapshot, sync_proc_driver, us
+from .harness import (
+    KUBELET,
+    SETUP,
+    check_json,
+    host_command,
+    record_timing,
+    snapshot,
+    sync_proc_driver,
+    us,
+)
 from .nspawn import Machine, now_us
 from .test_boot import CHECK as CHECK_UNIT
 from .test_cri import (  # noqa: F401  (cri_node: the fixture)
@@ -466,6 +475,9 @@ def test_a_boot_the_plugin_registers_writes_its_spec_and_a_pod_gets_its_gpu(
             gap = (marks["spec written"] - marks["plugin container created"]) / 1e3
             print(f"device plugin boot (a): from the setup's start: {line}; plugin container "
                   f"created -> spec {gap:.0f} ms", flush=True)
+            record_timing("device plugin boot (a)", m, snap, note=(
+                f"setup start -> plugin spec {(marks['spec written'] - setup_start) / 1e3:.0f}"
+                f" ms, plugin container created -> spec {gap:.0f} ms"))
             assert daemon.attempt == 0, daemon.events
         finally:
             daemon.close()
