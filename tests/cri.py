@@ -1,7 +1,8 @@
 """Debian's real containerd in the boot suite's machine, and a CRI client playing kubelet.
 
 **The machine.** :func:`ensure_tree` is tests/rootfs.py's cached trixie tree plus
-``apt-get install --no-install-recommends containerd runc`` (from the Debian archive the
+``apt-get install --no-install-recommends containerd runc python3-grpcio
+python3-protobuf`` (from the Debian archive the
 host's apt configuration names, tests/mirrors.py; about 37 MB), with the stand-in
 ``/usr/local/bin/containerd`` removed (Debian's unit runs ``/usr/bin/containerd``) and
 :data:`CONFIG_TOML` as ``/etc/containerd/config.toml``: the settings FACTS.md found this
@@ -44,7 +45,9 @@ import rootfs
 import images
 import mirrors
 
-PACKAGES = ("containerd", "runc")
+# python3-grpcio and python3-protobuf: the machine's own kubelet.service in the device
+# plugin's boot tests is a small Python kubelet (tests/boot/guestkubelet.py, issue 32).
+PACKAGES = ("containerd", "runc", "python3-grpcio", "python3-protobuf")
 VERSION = 1
 PAUSE_REF = "localhost/unb-pause:1"
 PROBE_REF = "localhost/unb-probe:1"
