@@ -235,6 +235,67 @@ def deliver_xid(m: SimMachine, minor: int, xid: int, *, lose: bool = False) -> N
         lose_gpu(m, minor)
 
 
+class XidRegistrations:
+    """When a consumer has registered for a GPU's Xid events: NVML's event registration
+    (tests/simnvml.c, nvmlDeviceRegisterEvents) reads the GPU's ``xid-events`` file to
+    know which Xids came before it, so the first open of that file is the moment from
+    which an Xid delivered reaches the consumer. A real NVML does not deliver an event
+    that happened before the registration either; this is how a test knows that moment
+    instead of guessing it (inotify's IN_OPEN; the file is made empty first)."""
+
+    _IN_OPEN, _IN_NONBLOCK, _IN_CLOEXEC = 0x20, 0o4000, 0o2000000
+
+    def __init__(self, files: list[Path]) -> None:
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        for path in files:
+            path.touch()
+        self._fd = self._libc.inotify_init1(self._IN_NONBLOCK | self._IN_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self._pending: dict[int, Path] = {}
+        for path in files:
+            wd = self._libc.inotify_add_watch(self._fd, os.fsencode(path), self._IN_OPEN)
+            if wd < 0:
+                raise OSError(ctypes.get_errno(), f"inotify_add_watch {path}")
+            self._pending[wd] = path
+
+    def wait(self, timeout: float) -> None:
+        """Until every file was opened (every GPU registered); AssertionError naming the
+        others after ``timeout`` seconds."""
+        import select
+        import struct
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+                waiting = sorted(map(str, self._pending.values()))
+                raise AssertionError(f"no Xid event registration within {timeout:g} s for "
+                                     f"{waiting}")
+            data = os.read(self._fd, 65536)
+            while data:
+                wd, _mask, _cookie, size = struct.unpack_from("iIII", data)
+                self._pending.pop(wd, None)
+                data = data[16 + size:]
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> XidRegistrations:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def xid_files(m: SimMachine) -> list[Path]:
+    """Every GPU's ``xid-events`` file (for :class:`XidRegistrations`)."""
+    return [info.parent / XID_EVENTS for info in sorted((m.root / GPUS_DIR).glob("*/information"))]
+
+
 def exclude_gpu(m: SimMachine, minor: int) -> None:
     """The host excludes the GPU at /dev/nvidia<minor> (``NVreg_ExcludedGpus``): the
     module still lists it, with ``GPU Excluded: Yes`` and an uninitialised UUID, and NVML

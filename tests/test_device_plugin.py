@@ -32,7 +32,8 @@ from test_pod import fetch, simulated_nvml, staging
 from test_run import check_json as _check_json
 from test_run import codes, root_of
 
-pytestmark = [pytest.mark.device_plugin, needs_root]
+# Every test runs under each reading of NVML's lookups (issue 31; conftest.nvml_reading).
+pytestmark = [pytest.mark.device_plugin, needs_root, pytest.mark.usefixtures("nvml_reading")]
 
 REGISTER_TIMEOUT = 20.0
 EXIT_TIMEOUT = 20.0
@@ -122,7 +123,7 @@ def error_lines(plugin: nvplugin.Running) -> list[str]:
 
 
 def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocated(
-        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str) -> None:
     """Debian's 550 driver with the simulated NVML, 4 GPUs, set up by `run`: the plugin
     registers nvidia.com/gpu, lists the 4 GPUs by UUID, all Healthy, and Allocate hands
     out the CDI device of the one asked for; its spec mounts libcuda and NVML from the
@@ -138,6 +139,7 @@ def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocate
     m = real_machine(tmp_path, drv)
     simulated_nvml(m)
     four_gpus(m)
+    simnvml.set_reading(m, nvml_reading)
     assert cli(m.root, "run").code == 0
     with plugin_on(binary, api, m, tmp_path) as node:
         reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
@@ -211,15 +213,14 @@ def test_the_charts_default_dev_root_names_nodes_the_root_does_not_have(
             assert "nvidiaDevRoot" in p["message"], p
 
 
-@pytest.mark.parametrize("reading", simnvml.READINGS)
 def test_a_lost_gpu_at_its_start_stops_the_plugin(
-        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, reading: str) -> None:
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str) -> None:
     """GPU 2 of 4 lost (NVML 15) before the node's run, under each reading of NVML's
     header: the product degrades the node and serves the other 3, but NVIDIA's plugin
     exits 1 at once on building its device map, never registers, and writes no spec: on
     such a node it serves no GPU at all."""
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
-    simnvml.set_reading(m, reading)
+    assert (m.root / simnvml.READING_FILE).read_text().strip() == nvml_reading
     simnvml.lose_gpu(m, 2)
     assert cli(m.root, "run").code == 0
     assert check_json(cli, m)["verdict"] == "degraded"
@@ -291,7 +292,6 @@ def test_incident_nvml_into_hidden_staging_stops_the_plugin(
     assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
 
 
-@pytest.mark.usefixtures("nvml_reading")
 def test_an_xid_79_marks_the_gpu_unhealthy_and_the_next_reload_agrees(
         binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
     """Issue 32, 4d, without a booted machine, under each reading of NVML: an Xid 79 for
@@ -302,10 +302,12 @@ def test_an_xid_79_marks_the_gpu_unhealthy_and_the_next_reload_agrees(
     lost and agrees (degraded, gpu-lost naming it)."""
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
     assert cli(m.root, "run").code == 0
-    with plugin_on(binary, api, m, tmp_path) as node:
+    with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, \
+            plugin_on(binary, api, m, tmp_path) as node:
         plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
         plugin.watch()
         assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
+        registered.wait(REGISTER_TIMEOUT)  # its health checks listen from here on
         simnvml.deliver_xid(m, 2, 79, lose=True)
         want = {**dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY),
                 m.nvml_gpus[2]: kubelet.UNHEALTHY}
@@ -327,9 +329,11 @@ def test_an_xid_48_is_the_plugins_to_see_not_the_products(
     product's run, reload and check see a healthy node (docs/problems.md says so)."""
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
     assert cli(m.root, "run").code == 0
-    with plugin_on(binary, api, m, tmp_path) as node:
+    with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, \
+            plugin_on(binary, api, m, tmp_path) as node:
         plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
         plugin.watch()
+        registered.wait(REGISTER_TIMEOUT)  # its health checks listen from here on
         simnvml.deliver_xid(m, 1, 48)
         want = {**dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY),
                 m.nvml_gpus[1]: kubelet.UNHEALTHY}

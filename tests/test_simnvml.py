@@ -633,19 +633,18 @@ def test_nvidia_device_plugin_runs_with_health_checks(tmp_path: Path, cli: Cli) 
     env = {k: v for k, v in clean_env().items() if not k.startswith("DP_")}
     spec = cdi / PLUGIN_SPEC
     unhealthy = f"XidCriticalError: Xid=48 on Device={m.nvml_gpus[1]}"
-    with open(log, "w") as out, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                                 env=env) as proc:
+    with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, open(log, "w") as out, \
+            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env) as proc:
         started = time.monotonic()
         try:
             assert _wait_for(lambda: spec.exists() or proc.poll() is not None, 30), \
                 log.read_text()
             assert proc.poll() is None, log.read_text()
             # Its health checks register after it serves; an Xid before that is not
-            # recorded, so deliver until one is seen.
-            for _ in range(10):
-                simnvml.deliver_xid(m, 1, 48)
-                if _wait_for(lambda: unhealthy in log.read_text(), 2):
-                    break
+            # recorded (as with a real NVML): deliver once every GPU has registered.
+            registered.wait(30)
+            simnvml.deliver_xid(m, 1, 48)
+            assert _wait_for(lambda: unhealthy in log.read_text(), 10), log.read_text()
             # Past its first 5 s event wait: a timeout must not read as an error (that
             # would mark every GPU unhealthy).
             time.sleep(max(0.0, started + 6.5 - time.monotonic()))

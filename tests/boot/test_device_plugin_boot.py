@@ -45,6 +45,7 @@ import realdriver
 import simnvml
 import toolkit
 from .harness import (
+    GUEST_PROC_DRIVER,
     KUBELET,
     SETUP,
     check_json,
@@ -617,9 +618,9 @@ def test_c_driver_upgrade_under_the_running_plugin(
 
 
 def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
-    """d. The plugin runs on two GPUs. GPU 0 reports Xid 13, which it ignores; then Xid
-    48 (NVML still answers for it); GPU 1 reports Xid 79 and falls off the bus (NVML
-    answers 15 for it from its next init). The plugin marks both Unhealthy in
+    """d. The plugin runs on two GPUs. GPU 0 reports Xid 13, which it ignores, and GPU 1
+    Xid 48 (NVML still answers for it); then GPU 0 Xid 48, and GPU 1 Xid 79, falling
+    off the bus (NVML answers 15 for it from its next init). The plugin marks both Unhealthy in
     ListAndWatch (it ignores only 13, 31, 43, 45, 68, 109). The product sees GPU 1 only:
     `check` still says ready (it does not ask NVML), so does the drift check's unit (as
     its timer starts it; recorded), and after the product's reload `check` names GPU 1
@@ -630,16 +631,29 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None
     with cn.machine() as m:
         c, k = up(cn, m)
         daemon = PluginDaemon(m)
+        # Its health checks hear an Xid only once they registered (as with a real NVML):
+        # the moment each GPU's xid-events file is first opened (simnvml.XidRegistrations).
+        host_files = simnvml.xid_files(cn.node.sim)
+        for f in host_files:
+            f.touch()
+        sync_proc_driver(cn.node)
+        proc_driver = cn.node.host / "proc/driver"
+        guest = [cn.node.rootfs / GUEST_PROC_DRIVER.lstrip("/") / f.relative_to(proc_driver)
+                 for f in host_files]
+        registered = simnvml.XidRegistrations(guest)
         try:
             daemon.start()
             k.wait_registration()
             k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"))
-            # An Xid the plugin ignores (13, a graphics engine exception) changes nothing.
+            registered.wait(60)
+            # An Xid the plugin ignores (13, a graphics engine exception) on GPU 0, then
+            # Xid 48 on GPU 1 (NVML still answers for it): the library delivers GPU 0's
+            # first, so once GPU 1 is Unhealthy, GPU 0 still Healthy shows 13 ignored.
             simnvml.deliver_xid(cn.node.sim, 0, 13)
+            simnvml.deliver_xid(cn.node.sim, 1, 48)
             sync_proc_driver(cn.node)
-            time.sleep(2)
-            lists = k.state()["watches"][-1]["lists"]
-            assert [x["devices"] for x in lists] == [dict.fromkeys(uuids, "Healthy")], lists
+            half = {uuids[0]: "Healthy", uuids[1]: "Unhealthy"}
+            assert k.wait_devices(lambda d: d == half) == half
             t0 = now_us()
             simnvml.deliver_xid(cn.node.sim, 0, 48)
             simnvml.deliver_xid(cn.node.sim, 1, 79, lose=True)
@@ -671,6 +685,7 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None
             # The plugin, still running, still lists both Unhealthy (until its plugins restart).
             assert k.wait_devices(lambda d: True) == dict.fromkeys(uuids, "Unhealthy")
         finally:
+            registered.close()
             daemon.close()
             c.remove_all()
 
