@@ -392,8 +392,11 @@ def summary(m: Machine, version: str) -> dict[str, Any]:
             "absent": absent(m, host_paths(doc)), "mtime_us": spec_mtime_us(m)}
 
 
-def plugin_node(cri_node: Any, desc: bytes, drv: realdriver.RealDriver) -> CriNode:  # noqa: F811
+def plugin_node(cri_node: Any, desc: bytes, drv: realdriver.RealDriver,  # noqa: F811
+                reading: str = "target") -> CriNode:
     cn: CriNode = cri_node(drv, nvml=True, gpus=2)
+    simnvml.set_reading(cn.node.sim, reading)
+    sync_proc_driver(cn.node)
     install(cn, desc)
     return cn
 
@@ -617,7 +620,9 @@ def test_c_driver_upgrade_under_the_running_plugin(
 # -- d: Xids while the plugin runs -------------------------------------------------------------
 
 
-def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes,  # noqa: F811
+                                      reading: str) -> None:
     """d. The plugin runs on two GPUs. GPU 0 reports Xid 13, which it ignores, and GPU 1
     Xid 48 (NVML still answers for it); then GPU 0 Xid 48, and GPU 1 Xid 79, falling
     off the bus (NVML answers 15 for it from its next init). The plugin marks both Unhealthy in
@@ -626,7 +631,7 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes) -> None
     its timer starts it; recorded), and after the product's reload `check` names GPU 1
     lost, and never GPU 0."""
     drv = fetch("bookworm")
-    cn = plugin_node(cri_node, descriptors, drv)
+    cn = plugin_node(cri_node, descriptors, drv, reading)
     uuids = list(cn.node.sim.nvml_gpus)
     with cn.machine() as m:
         c, k = up(cn, m)
@@ -699,13 +704,17 @@ LOST_GPU_ERROR = ("error starting plugins: error getting plugins: unable to crea
                   "error getting device handle for index '1': GPU is lost")
 
 
-def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes) -> None:  # noqa: F811
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes,  # noqa: F811
+                                           reading: str) -> None:
     """e. Three GPUs, GPU 1 lost before the boot: the product comes up degraded and its
     spec serves GPUs 0 and 2, but NVIDIA's plugin exits 1 at every start (kubelet
     restarting it), never registers and writes no spec: on this node pods get no GPU
     through it. What `check`, STATUS= and the restarts show is printed."""
     drv = fetch("bookworm")
     cn: CriNode = cri_node(drv, nvml=True, gpus=3, lost=[1])
+    simnvml.set_reading(cn.node.sim, reading)
+    sync_proc_driver(cn.node)
     install(cn, descriptors)
     with cn.machine() as m:
         c, k = up(cn, m)
