@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pod
 import toolkit
@@ -42,6 +43,21 @@ def device_nodes(root: Path) -> list[Path]:
     """The machine's NVIDIA device nodes in its /dev (not in subdirectories)."""
     return sorted(p for p in (root / "dev").glob("nvidia*")
                   if p.is_char_device() and not p.is_symlink())
+
+
+def edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A CDI spec's containerEdits: the common ones, then each device's."""
+    return [doc.get("containerEdits", {}), *(d["containerEdits"] for d in doc["devices"])]
+
+
+def host_paths(doc: dict[str, Any]) -> list[str]:
+    """Every host path the spec makes a runtime open: mounts, device nodes, hooks."""
+    paths = []
+    for e in edits(doc):
+        paths += [x["hostPath"] for x in e.get("mounts", [])]
+        paths += [x.get("hostPath") or x["path"] for x in e.get("deviceNodes", [])]
+        paths += [x["path"] for x in e.get("hooks", [])]
+    return paths
 
 
 def spec_path(root: Path) -> Path:

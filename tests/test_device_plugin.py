@@ -28,6 +28,7 @@ import simgpu
 import simnvml
 import toolkit
 from conftest import Cli, needs_root, unmet
+from nvplugin import edits, host_paths
 from test_pod import fetch, simulated_nvml, staging
 from test_run import check_json as _check_json
 from test_run import codes, root_of
@@ -83,23 +84,19 @@ def four_gpus(m: simgpu.SimMachine) -> simgpu.SimMachine:
     return m
 
 
+def serves_every_gpu(node: Node) -> kubelet.Plugin:
+    """The plugin registered with the test's kubelet, lists every GPU of the machine
+    Healthy in ListAndWatch, and is still running: its client, watching."""
+    plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
+    plugin.watch()
+    assert plugin.devices() == dict.fromkeys(node.m.nvml_gpus, kubelet.HEALTHY)
+    assert node.plugin.wait(0) is None, node.plugin.output()
+    return plugin
+
+
 def plugin_spec(m: simgpu.SimMachine) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(nvplugin.spec_path(m.root).read_text())
     return doc
-
-
-def edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [doc.get("containerEdits", {}), *(d["containerEdits"] for d in doc["devices"])]
-
-
-def host_paths(doc: dict[str, Any]) -> list[str]:
-    """Every host path the spec makes a runtime open: mounts, device nodes, hooks."""
-    paths = []
-    for e in edits(doc):
-        paths += [x["hostPath"] for x in e.get("mounts", [])]
-        paths += [x.get("hostPath") or x["path"] for x in e.get("deviceNodes", [])]
-        paths += [x["path"] for x in e.get("hooks", [])]
-    return paths
 
 
 def device_nodes(doc: dict[str, Any], uuid: str) -> list[str]:
@@ -189,11 +186,7 @@ def test_the_charts_default_dev_root_names_nodes_the_root_does_not_have(
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
     assert cli(m.root, "run").code == 0
     with plugin_on(binary, api, m, tmp_path, default_dev_root=True) as node:
-        reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
-        plugin = node.kubelet.connect(reg)
-        plugin.watch()
-        assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
-        assert node.plugin.wait(0) is None, node.plugin.output()
+        serves_every_gpu(node)
     doc = plugin_spec(m)
     dev = root_of(m) / "dev"
     nodes = {x["hostPath"] for e in edits(doc) for x in e.get("deviceNodes", [])}
@@ -255,11 +248,7 @@ def test_incident_libcuda_into_hidden_staging_gives_a_spec_without_libcuda(
     assert cli(m.root, "run").code == 0
     links_into_staging(m, ("libcuda.so",))
     with plugin_on(binary, api, m, tmp_path, hide=(staging(m),)) as node:
-        reg = node.kubelet.wait_registration(REGISTER_TIMEOUT)
-        plugin = node.kubelet.connect(reg)
-        plugin.watch()
-        assert plugin.devices() == dict.fromkeys(m.nvml_gpus, kubelet.HEALTHY)
-        assert node.plugin.wait(0) is None, node.plugin.output()
+        serves_every_gpu(node)
     doc = plugin_spec(m)
     names = {os.path.basename(x["hostPath"]) for e in edits(doc) for x in e.get("mounts", [])}
     assert f"libnvidia-ml.so.{m.version}" in names

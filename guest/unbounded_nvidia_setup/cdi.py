@@ -137,16 +137,15 @@ class Generator:
     def spec(self, driver_version: str, helpers: tuple[str, ...]) -> bytes | None:
         """A validated spec for the live driver root; None when NVML can use no GPU of
         the node (`assessment` says why): then no spec may be installed."""
-        result: Result | None = (self.early or self.generate()).wait()
+        result = (self.early or self.generate()).wait()
         self.early = None
-        if (result is not None and device_failure(result)
-                and not chooses_devices(self.machine.config.nvidia_ctk_args)):
+        if device_failure(result) and not chooses_devices(self.machine.config.nvidia_ctk_args):
             from .degrade import degrade  # only a failed generate imports it
 
-            result = degrade(self, result)
-            if result is None:
+            degraded = degrade(self, result)
+            if degraded is None:
                 return None
-        assert result is not None
+            result = degraded
         if not result.ok and self.ctk.version >= HOOKS_SINCE:
             ctk = self.version()
             if ctk.version < HOOKS_SINCE:

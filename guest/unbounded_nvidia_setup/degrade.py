@@ -111,8 +111,8 @@ def _warn(assessment: Assessment) -> None:
         return
     usable = len(assessment.serve_minors())
     if not usable:
-        log.warn(f"NVML can use none of the {len(assessment.listed) or len(assessment.unusable)} "
-                 "GPUs of this node: no GPU is served and no CDI spec is installed; keep GPU "
+        log.warn(f"NVML can use none of the {assessment.count} GPUs of this node: no GPU "
+                 "is served and no CDI spec is installed; keep GPU "
                  "pods off this node and repair the host (a GPU reset or a reboot), then "
                  "`systemctl reload unbounded-nvidia-setup`")
     for gpu, code in assessment.unusable:

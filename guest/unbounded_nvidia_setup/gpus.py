@@ -142,10 +142,10 @@ class Assessment:
     `node_error` is an error NVML ties to every attached GPU (nvml.NODE_WIDE): then no
     GPU is usable."""
 
-    def __init__(self, listed: list[KernelGpu], usable: list[NvmlGpu],
+    def __init__(self, count: int, usable: list[NvmlGpu],
                  unusable: list[tuple[KernelGpu, int]], node_error: int | None,
                  texts: dict[int, str]) -> None:
-        self.listed = listed  # those NVML enumerates (excluded ones left out)
+        self.count = count  # the GPUs NVML enumerates (excluded ones left out)
         self.usable = usable
         self.unusable = unusable
         self.node_error = node_error
@@ -195,7 +195,7 @@ def assess(machine: Machine, answer: Answer) -> Assessment | None:
     unusable = [(kernel[g.index] if trusted else KernelGpu(g.index, "", None, None), g.ret)
                 for g in failed]
     node = next((g.ret for g in failed if g.ret in nvml.NODE_WIDE), None)
-    return Assessment(kernel if trusted else [], usable, unusable, node, answer.texts)
+    return Assessment(len(answer.gpus), usable, unusable, node, answer.texts)
 
 
 def mig_cap_minors(machine: Machine, minor: int) -> set[int]:

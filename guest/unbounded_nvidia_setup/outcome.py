@@ -95,17 +95,9 @@ class Gpus:
     def degraded(self) -> bool:
         return bool(self.unusable) or self.serves_none
 
-    def _key(self) -> tuple[object, ...]:
-        return self.unusable, self.node_error, self.serves_none, self.kernel, self.attempts
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Gpus) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
     def __repr__(self) -> str:
-        return "Gpus({!r}, {!r}, {!r}, {!r}, {!r})".format(*self._key())
+        return (f"Gpus({self.unusable!r}, {self.node_error!r}, {self.serves_none!r}, "
+                f"{self.kernel!r}, {self.attempts!r})")
 
 
 class Outcome:

@@ -190,8 +190,9 @@ def serving(generator: cdi.Generator) -> str:
     found = generator.assessment
     if found is None:
         return "Ready"
-    listed = len(found.listed) or len(found.usable) + len(found.unusable)
-    bad = ", ".join(f"{g.describe()} {'lost' if code == 15 else f'NVML error {code}'}"
+    listed = found.count
+    bad = ", ".join(f"{g.describe()} "
+                    + ("lost" if code == outcome.GPU_IS_LOST else f"NVML error {code}")
                     for g, code in found.unusable)
     if found.serves_none:
         return (f"Up without GPUs: NVML can use none of the {listed} GPUs ({bad}); no CDI spec "

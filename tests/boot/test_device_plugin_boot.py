@@ -73,6 +73,7 @@ from .test_cri import (  # noqa: F401  (cri_node: the fixture)
     upgrade_staging,
     watch_gate,
 )
+from nvplugin import edits, host_paths
 
 pytestmark = [pytest.mark.device_plugin]
 
@@ -351,19 +352,6 @@ def spec_mtime_us(m: Machine) -> int:
     """The spec's mtime on CLOCK_MONOTONIC (the machine shares the host's clocks)."""
     real = spec_file(m).stat().st_mtime_ns // 1000
     return real - (time.time_ns() // 1000 - now_us())
-
-
-def edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [doc.get("containerEdits", {}), *(d["containerEdits"] for d in doc["devices"])]
-
-
-def host_paths(doc: dict[str, Any]) -> list[str]:
-    paths = []
-    for e in edits(doc):
-        paths += [x["hostPath"] for x in e.get("mounts", [])]
-        paths += [x.get("hostPath") or x["path"] for x in e.get("deviceNodes", [])]
-        paths += [x["path"] for x in e.get("hooks", [])]
-    return paths
 
 
 def mounted(doc: dict[str, Any]) -> list[str]:
