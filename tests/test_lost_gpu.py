@@ -475,6 +475,12 @@ def test_a_failed_reload_keeps_a_degraded_node_degraded(four: simgpu.SimMachine,
     assert "unbounded_nvidia_setup_run_success 1\n" in text, text
     assert "unbounded_nvidia_setup_reload_success 0\n" in text, text
     assert "failed (exit 1" in cli(four.root, "status").stdout
+    # It counts towards the drift check's backoff: NVML was asked again, in vain.
+    from unbounded_nvidia_setup import outcome
+    from unbounded_nvidia_setup.config import Machine, load_config
+
+    record = outcome.read(Machine.create(four.root, load_config(four.root, None)[0]))
+    assert record is not None and record.gpus.attempts == 1, record
     # The next reload that works clears it.
     flag.unlink()
     assert cli(four.root, "run", "--spec-only").code == 0
