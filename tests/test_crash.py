@@ -17,7 +17,9 @@ N whose call creates a file count. Two kinds of point:
   to). Only calls no other thread
   can reach first are aimed at (the spec's fchmod is not: the copy workers make more),
   and the injected run's own trace must show the kill landed on that call. `write` has
-  only these: by index, its points all landed on log lines.
+  only these: by index, its points all landed on log lines. The metrics file's calls are
+  counted among the calls on its own paths only (strace -P, BY_PATH): removals in the
+  work dir before them vary in number from run to run (UNSTEADY).
 
 After every kill: the driver root is absent (first boot only) or exactly one complete
 generation, byte for byte the manifest a successful run makes (old or new driver); the
@@ -59,6 +61,7 @@ from invariants import (
     product_env,
     run_cli,
     secure_after,  # noqa: F401  (fixture)
+    unquote,
 )
 from unbounded_nvidia_setup import metrics
 from unbounded_nvidia_setup.plan import Manifest
@@ -115,14 +118,28 @@ PURPOSES: dict[str, tuple[str, ...]] = {
                 METRICS_DIR),
     "log": ("pipe:*",),  # stderr, a pipe under these tests: one log line
 }
+# The CDI work dir holds nvidia-ctk's output. The early generate a run throws away when
+# the root changes (cdi.Generator.discard_early) is killed wherever it is: now and then
+# between creating its temp file and renaming it, and the run removes that file with the
+# rest of the dir (an unlinkat each). So those removals vary in number from run to run
+# (UNSTEADY, by class), by the temp files a killed nvidia-ctk left (LEFTOVERS).
+UNSTEADY: dict[str, tuple[str, ...]] = {"unlinkat": ("/run/unbounded-nvidia-setup/*",)}
+LEFTOVERS = ("/run/unbounded-nvidia-setup/*.tmp",)
+# Purposes whose calls all name fixed paths or descriptors of them: their points are
+# counted among the calls on those paths only (strace -P), so no call before them can
+# move them. The metrics file is written after the work dir is removed; the spec's and
+# the drop-in's temp files have random names (atomic.py), and no unsteady call comes
+# before their points (class_points checks).
+BY_PATH: dict[str, tuple[str, ...]] = {"metrics": PURPOSES["metrics"]}
 # Classes a scenario makes no call of, and why; any other empty point list fails (CI).
 NOT_MADE = {("first-boot", "renameat2"): "no live root to exchange with: the first "
             "generation is renamed into place"}
 # The files each scenario writes atomically (the drop-in is already right on a swap; every
 # run writes the metrics): each must have an aimed point at every step below, and `write`
 # one at a log line besides. The metrics file is renamed by renameat (relative to its
-# directory's descriptor), the others by rename. (A temp file's fchmod cannot be aimed
-# at: the copy workers make more fchmod calls.)
+# directory's descriptor), the others by rename. (The spec's and drop-in's temp files'
+# fchmod cannot be aimed at: the copy workers make more fchmod calls; the metrics
+# file's is, by path.)
 ATOMIC_STEPS = ("openat", "write", "fsync", "rename")
 RENAME_BY = {"metrics": "renameat"}  # the syscall of the "rename" step, when not rename
 WRITES: dict[str, set[str]] = {"first-boot": {"spec", "drop-in", "metrics"},
@@ -273,9 +290,14 @@ class Point:
     when: int
     path: str
     purpose: str | None = None
+    # strace's path filter (-P; paths under the machine's root, as "/etc/..."): `when`
+    # counts only the calls that touch one of these (by a path argument or a
+    # descriptor's path), as strace counts them.
+    only: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.when}({self.purpose})" if self.purpose else str(self.when)
+        where = "P" if self.only else ""
+        return f"{self.when}{where}({self.purpose})" if self.purpose else str(self.when)
 
 
 def where(call: Call, root: Path) -> str:
@@ -296,34 +318,84 @@ def choose_points(calls: list[Call], root: Path, classes: list[str]) -> dict[str
     """The kill points of each class in a traced run (calls in the order entered)."""
     main = calls[0].pid
     spawned = {c.pid for c in calls if c.name == "execve"} - {main}
-    count: dict[str, Counter[int]] = defaultdict(Counter)
-    nth: dict[str, dict[int, Call]] = defaultdict(dict)  # class -> N -> first N-th call
-    for call in calls:
-        if call.name in classes and call.pid not in spawned:  # not a child before exec
-            count[call.name][call.pid] += 1
-            nth[call.name].setdefault(count[call.name][call.pid], call)
-    return {cls: class_points(cls, nth[cls], count[cls], main, root) for cls in classes}
+    return {cls: class_points(cls, [c for c in calls if c.name == cls and c.pid not in spawned],
+                              main, root)  # not a child before exec
+            for cls in classes}
 
 
-def class_points(cls: str, nth: dict[int, Call], per_thread: Counter[int], main: int,
-                 root: Path) -> list[Point]:
+def touches(call: Call, paths: tuple[str, ...]) -> bool:
+    """Whether strace's path filter (-P `paths`) passes `call`: a descriptor argument
+    whose path (-y) is one of them, or a path argument that is one of them as written."""
+    for arg in call.args:
+        fd = re.match(r"^(?:-?\d+|AT_FDCWD)(<.*>)$", arg)
+        if (fd and unquote(fd.group(1)) in paths) or (arg[:1] == '"' and unquote(arg) in paths):
+            return True
+    return False
+
+
+def class_points(cls: str, ordered: list[Call], main: int, root: Path) -> list[Point]:
+    """The kill points among one class's calls (in the order entered). What may move a
+    call's index from one run to the next is kept from the points: a thread is not counted
+    on to reach its calls that another run may not make (LEFTOVERS), a point aimed at a
+    purpose by index may not follow a call whose number varies (UNSTEADY), and the
+    purposes in BY_PATH are counted among their own paths' calls only (strace -P)."""
+    def matches(call: Call, globs: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatchcase(where(call, root), g) for g in globs)
+
+    made: dict[int, list[Call]] = defaultdict(list)
+    nth: dict[int, Call] = {}  # N -> the first N-th call of any thread
+    for call in ordered:
+        made[call.pid].append(call)
+        nth.setdefault(len(made[call.pid]), call)
+    per_thread = Counter({pid: len(thread) - sum(matches(c, LEFTOVERS) for c in thread)
+                          for pid, thread in made.items()})  # each thread's sure reach
     # The calls that change something (an openat only when it creates).
     valid = {n: call for n, call in sorted(nth.items())
              if cls != "openat" or "O_CREAT" in "".join(call.args[2:3])}
 
     def exact(n: int, call: Call) -> bool:
-        return all(c < n for pid, c in per_thread.items() if pid != call.pid)
+        return all(len(thread) < n for pid, thread in made.items() if pid != call.pid)
+
+    def aimed(n: int) -> str | None:
+        call = valid[n]
+        purpose = purpose_of(where(call, root)) if exact(n, call) else None
+        if purpose is None or purpose in BY_PATH:
+            return None  # any call there will do: a BY_PATH purpose has its own points
+        unsteady = UNSTEADY.get(cls, ())
+        moved = [where(c, root) for c in made[call.pid][: n - 1] if matches(c, unsteady)]
+        assert not moved, (f"{cls} N={n} ({purpose}) follows calls whose number may differ "
+                           f"from run to run: {moved}; aim it by path (BY_PATH)")
+        return purpose
 
     chosen = [] if cls == "write" else ladder(cls, list(valid), per_thread, main)
-    for globs in PURPOSES.values():
-        mine = [n for n, call in valid.items() if exact(n, call)
-                and any(fnmatch.fnmatchcase(where(call, root), g) for g in globs)]
-        chosen += [mine[0], mine[-1]] if mine else []
-    points = []
-    for n in sorted(set(chosen)):
-        path = where(valid[n], root)
-        points.append(Point(cls, n, path, purpose_of(path) if exact(n, valid[n]) else None))
-    return points
+    for purpose, globs in PURPOSES.items():
+        mine = [n for n, call in valid.items() if exact(n, call) and matches(call, globs)]
+        chosen += [mine[0], mine[-1]] if mine and purpose not in BY_PATH else []
+    by_paths = [aim for purpose in BY_PATH for aim in by_path(cls, made, purpose, root)]
+    taken = [call for _, call in by_paths]
+    # A call both on the ladder and aimed at by path is killed once, as aimed.
+    return [*(Point(cls, n, where(valid[n], root), aimed(n)) for n in sorted(set(chosen))
+              if not any(valid[n] is call for call in taken)),
+            *(point for point, _ in by_paths)]
+
+
+def by_path(cls: str, made: dict[int, list[Call]], purpose: str,
+            root: Path) -> list[tuple[Point, Call]]:
+    """The first and last call of `cls` made for `purpose`, each counted among the calls
+    that touch BY_PATH[purpose] (as strace -P counts them), when no other thread makes as
+    many of those."""
+    paths = tuple(f"{root}{p}" for p in BY_PATH[purpose])
+    filtered = {pid: [c for c in thread if touches(c, paths)] for pid, thread in made.items()}
+    globs = PURPOSES[purpose]
+    mine = []
+    for pid, thread in filtered.items():
+        others = max((len(t) for p, t in filtered.items() if p != pid), default=0)
+        mine += [(n, call) for n, call in enumerate(thread, 1)
+                 if n > others and (cls != "openat" or "O_CREAT" in "".join(call.args[2:3]))
+                 and any(fnmatch.fnmatchcase(where(call, root), g) for g in globs)]
+    ends = {mine[0], mine[-1]} if mine else set()
+    return [(Point(cls, n, where(call, root), purpose, BY_PATH[purpose]), call)
+            for n, call in sorted(ends, key=lambda e: e[0])]
 
 
 def ladder(cls: str, valid: list[int], per_thread: Counter[int], main: int) -> list[int]:
@@ -427,6 +499,7 @@ def run_injected(m: simgpu.SimMachine, point: Point, action: str) -> Injected:
     with tempfile.TemporaryDirectory(prefix="unb-inject-") as tmp:
         out = Path(tmp) / "trace"
         argv = ["strace", "-f", "-b", "execve", "-qq", "-y", "-o", str(out),
+                *(f"--trace-path={m.root}{p}" for p in point.only),
                 "-e", f"trace={syscall}", "-e", f"inject={syscall}:{action}:when={point.when}",
                 *product_argv(m.root, "run")]
         proc = subprocess.run(argv, capture_output=True, text=True, env=product_env(),
@@ -615,7 +688,8 @@ def test_sigkill_while_swapping_to_the_real_driver(tmp_path: Path) -> None:
     for syscall in REAL_CLASSES:
         jobs = []
         for target, points in profiles.items():
-            ends = points[syscall][:1] + points[syscall][-1:]
+            indexed = [p for p in points[syscall] if not p.only]
+            ends = indexed[:1] + indexed[-1:]
             chosen = sorted({*ends, *(p for p in points[syscall] if p.purpose)},
                             key=lambda p: p.when)
             jobs.append([(target, p) for p in chosen])
@@ -710,6 +784,29 @@ def test_calls_relative_to_a_directory_descriptor_are_placed_by_the_path_they_re
     assert {purpose_of(where(c, tmp_path)) for c in calls} == {"metrics"}
     assert [a.path for a in accesses(calls[4:5])] == [f"{d}/{tmp}", f"{d}/{name}"]
     assert final == f"{METRICS_DIR}/{name}"
+
+
+def test_a_leftover_of_a_killed_nvidia_ctk_moves_no_kill_point(two_drivers: Swapper) -> None:
+    """CI failed once at the metrics file's unlinkat: the profiled run had removed one
+    file more than the run killed after it (the early generate, thrown away as the root
+    changed, had been killed between creating its temp file in the work dir and renaming
+    it), so the kill fell past the run's last unlinkat. Here the profiled run has such a
+    leftover and the killed runs have none: every point is still reached, and each aimed
+    one lands on its call."""
+    s = two_drivers
+    s.prepare("new-driver")
+    work = s.m.root / "run/unbounded-nvidia-setup"
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (work / "spec.4242.123456789.tmp").write_text("cdiVersion: ")  # nvidia-ctk's, cut
+    points = profile(s.m, ["unlinkat"])["unlinkat"]
+    assert any(p.purpose == "metrics" and p.only for p in points), points
+    for point in points:
+        target = s.prepare("new-driver")
+        run = run_injected(s.m, point, "signal=KILL")
+        assert run.killed, f"N={point} not reached: {run.stderr[-300:]}"
+        if point.purpose is not None:
+            assert run.landed(point), f"N={point}: hit {[w for _, w in run.hits]}"
+        recovered(s, target)
 
 
 # --------------------------------------------------------------------------------------

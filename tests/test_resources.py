@@ -318,7 +318,7 @@ HARMLESS: dict[tuple[str, str], str] = {
     # The directory, its temp file and the file (fnmatch's * also matches "/").
     **dict.fromkeys(
         [(syscall, f"{METRICS_DIR}*") for syscall in
-         ("openat", "write", "fsync", "renameat", "unlinkat")],
+         ("openat", "fchmod", "write", "fsync", "renameat", "unlinkat")],
         "metrics never fail a run: one warning (metrics.write); node_exporter keeps "
         "serving the previous file, and the next run writes a new one"),
     ("mkdir", "/run"): "the directory exists already (write_atomically's mkdir of the "
@@ -355,9 +355,10 @@ def two_drivers(tmp_path: Path) -> Swapper:
 
 
 def spread(points: list[Point]) -> list[Point]:
-    """First, middle and last kill point, and every point aimed at a purpose."""
-    ends = {0, len(points) // 2, len(points) - 1}
-    return [p for i, p in enumerate(points) if i in ends or p.purpose]
+    """First, middle and last kill point by index, and every point aimed at a purpose."""
+    indexed = [p for p in points if not p.only]
+    ends = {indexed[i] for i in (0, len(indexed) // 2, -1)} if indexed else set()
+    return [p for p in points if p in ends or p.purpose]
 
 
 @needs_tool("strace")
