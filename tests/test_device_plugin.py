@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,6 +120,16 @@ def error_lines(plugin: nvplugin.Running) -> list[str]:
             if line.startswith("E") and "] " in line]
 
 
+def stops_at_its_start(node: Node, error: str) -> None:
+    """The plugin exits 1 at its start with `error` its one error line: it never
+    registers and writes no spec."""
+    code = node.plugin.wait(EXIT_TIMEOUT)
+    assert code == 1, node.plugin.output()
+    assert error_lines(node.plugin) == [error], node.plugin.output()
+    assert node.kubelet.registrations == []
+    assert not nvplugin.spec_path(node.m.root).exists()
+
+
 def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocated(
         binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str) -> None:
     """Debian's 550 driver with the simulated NVML, 4 GPUs, set up by `run`: the plugin
@@ -218,11 +229,7 @@ def test_a_lost_gpu_at_its_start_stops_the_plugin(
     assert cli(m.root, "run").code == 0
     assert check_json(cli, m)["verdict"] == "degraded"
     with plugin_on(binary, api, m, tmp_path) as node:
-        code = node.plugin.wait(EXIT_TIMEOUT)
-        assert code == 1, node.plugin.output()
-        assert error_lines(node.plugin) == [LOST_GPU_ERROR], node.plugin.output()
-        assert node.kubelet.registrations == []
-    assert not nvplugin.spec_path(m.root).exists()
+        stops_at_its_start(node, LOST_GPU_ERROR)
     report = check_json(cli, m)
     assert codes(report) == {"gpu-lost"}, report["problems"]
     assert "device_plugin_spec" not in report
@@ -271,11 +278,7 @@ def test_incident_nvml_into_hidden_staging_stops_the_plugin(
     assert cli(m.root, "run").code == 0
     links_into_staging(m, ("libcuda.so", "libnvidia-ml.so"))
     with plugin_on(binary, api, m, tmp_path, hide=(staging(m),)) as node:
-        code = node.plugin.wait(EXIT_TIMEOUT)
-        assert code == 1, node.plugin.output()
-        assert error_lines(node.plugin) == [NO_NVML_ERROR], node.plugin.output()
-        assert node.kubelet.registrations == []
-    assert not nvplugin.spec_path(m.root).exists()
+        stops_at_its_start(node, NO_NVML_ERROR)
     report = check_json(cli, m)
     assert plugin_codes(report) == set(), report["problems"]
     assert {"root-absolute-link", "root-escaping-link"} <= codes(report), report["problems"]
@@ -315,11 +318,15 @@ def test_an_xid_48_is_the_plugins_to_see_not_the_products(
         binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli) -> None:
     """An Xid after which NVML still answers (48, a double-bit ECC error): the plugin
     marks the GPU Unhealthy until its plugins restart; NVML answers for it, so the
-    product's run, reload and check see a healthy node (docs/problems.md says so)."""
+    product's run, reload and check see a healthy node (docs/problems.md says so). The
+    simulated NVML's event API holds: the plugin loads it without a symbol lookup error,
+    skips its default Xids, and is still running past its first 5 s event wait (a timeout
+    read as an error would mark every GPU unhealthy)."""
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
     assert cli(m.root, "run").code == 0
     with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, \
             plugin_on(binary, api, m, tmp_path) as node:
+        started = time.monotonic()
         plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
         plugin.watch()
         registered.wait(REGISTER_TIMEOUT)  # its health checks listen from here on
@@ -329,3 +336,11 @@ def test_an_xid_48_is_the_plugins_to_see_not_the_products(
         assert plugin.devices(until=lambda d: d == want) == want
         assert cli(m.root, "run", "--spec-only").code == 0
         assert check_json(cli, m)["verdict"] == "ready"
+        time.sleep(max(0.0, started + 6.5 - time.monotonic()))
+        assert node.plugin.wait(0) is None, node.plugin.output()
+    text = node.plugin.output()
+    assert "symbol lookup error" not in text, text
+    assert "Ignoring the following XIDs for health checks" in text, text
+    assert f"XidCriticalError: Xid=48 on Device={m.nvml_gpus[1]}" in text, text
+    assert not any(f"Device={u}" in text for i, u in enumerate(m.nvml_gpus) if i != 1), text
+    assert "Error waiting for event" not in text, text

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,7 @@ from test_fake_nvidia_ctk import TOOLS, clean_env, last_error, load
 
 import simgpu
 import simnvml
-import toolkit
-from conftest import Cli, needs_root
+from conftest import needs_root
 
 pytestmark = needs_root
 
@@ -573,92 +571,3 @@ def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
     assert seen == {"init": 0, "uuids": healthy, "by_index": [0, 15, 0, 0], "wait": 0,
                     "event": [m.nvml_gpus[3], XID_EVENT, 45]}
     assert run(state=True, ctl=False) == {"init": 9}
-
-
-# ------------------------------------------------- NVIDIA's real device plugin
-
-PLUGIN_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
-# $1 root, $2 where the spec goes (/var/run/cdi), $3 where its socket goes: private
-# /run, /var/lib and /dev (the machine's nodes), so nothing of the host's is touched
-_PLUGIN_SETUP = """set -e
-mount -t tmpfs tmpfs /run
-mkdir -p /run/cdi
-mount --bind "$2" /run/cdi
-mount -t tmpfs tmpfs /var/lib
-mkdir -p /var/lib/kubelet/device-plugins
-mount --bind "$3" /var/lib/kubelet/device-plugins
-mount -t tmpfs -o mode=755 tmpfs /dev
-cp -a "$1/dev/." /dev/
-mknod -m 666 /dev/null c 1 3
-mknod -m 666 /dev/zero c 1 5
-mknod -m 666 /dev/random c 1 8
-mknod -m 666 /dev/urandom c 1 9
-shift 3
-exec "$@"
-"""
-
-
-def _wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
-@pytest.mark.device_plugin
-def test_nvidia_device_plugin_runs_with_health_checks(tmp_path: Path, cli: Cli) -> None:
-    """NVIDIA's real device plugin v0.20.0, health checks on, against the product's
-    driver root and this library (as a plain process, in a private mount namespace): it
-    no longer dies with a symbol lookup error, writes its spec with one device per GPU
-    UUID, serves its socket, marks a GPU unhealthy for an Xid 48 delivered to it while
-    it runs and no other, and is still running after its first 5 s event wait."""
-    plugin = toolkit.plugin_binary()
-    assert plugin is not None  # deselected without one (conftest.py)
-    why = _namespace_unavailable()
-    if why is not None:
-        pytest.skip(why)
-    m = four_gpus(tmp_path)
-    m.write_config()
-    assert cli(m.root, "run").code == 0
-    cdi, sockets, log = tmp_path / "cdi", tmp_path / "device-plugins", tmp_path / "plugin.log"
-    cdi.mkdir()
-    sockets.mkdir()
-    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PLUGIN_SETUP,
-            "setup", str(m.root), str(cdi), str(sockets), str(plugin),
-            "--device-list-strategy=cdi-cri", f"--container-driver-root={m.driver_root}",
-            "--nvidia-driver-root=/run/nvidia/driver",
-            f"--nvidia-cdi-hook-path={toolkit.NVIDIA_CDI_HOOK}", "--kubelet-socket="]
-    env = {k: v for k, v in clean_env().items() if not k.startswith("DP_")}
-    spec = cdi / PLUGIN_SPEC
-    unhealthy = f"XidCriticalError: Xid=48 on Device={m.nvml_gpus[1]}"
-    with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, open(log, "w") as out, \
-            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env) as proc:
-        started = time.monotonic()
-        try:
-            assert _wait_for(lambda: spec.exists() or proc.poll() is not None, 30), \
-                log.read_text()
-            assert proc.poll() is None, log.read_text()
-            # Its health checks register after it serves; an Xid before that is not
-            # recorded (as with a real NVML): deliver once every GPU has registered.
-            registered.wait(30)
-            simnvml.deliver_xid(m, 1, 48)
-            assert _wait_for(lambda: unhealthy in log.read_text(), 10), log.read_text()
-            # Past its first 5 s event wait: a timeout must not read as an error (that
-            # would mark every GPU unhealthy).
-            time.sleep(max(0.0, started + 6.5 - time.monotonic()))
-            assert proc.poll() is None, log.read_text()
-            assert (sockets / "nvidia-gpu.sock").is_socket()  # it serves (gone once stopped)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    text = log.read_text()
-    assert "symbol lookup error" not in text, text
-    assert "Ignoring the following XIDs for health checks" in text, text
-    assert unhealthy in text, text
-    assert "Error waiting for event" not in text, text
-    assert not any(f"Device={u}" in text for i, u in enumerate(m.nvml_gpus) if i != 1), text
-    doc = json.loads(spec.read_text())
-    assert doc["kind"] == "k8s.device-plugin.nvidia.com/gpu"
-    assert sorted(d["name"] for d in doc["devices"]) == sorted(m.nvml_gpus)
