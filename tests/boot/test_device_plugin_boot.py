@@ -24,15 +24,16 @@ Every wait is bounded; the pods are removed before the machine powers off.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,7 @@ from .harness import (
     sync_proc_driver,
     us,
 )
-from .nspawn import Machine, now_us
+from .nspawn import Machine, now_us, wait_until
 from .test_boot import CHECK as CHECK_UNIT
 from .test_cri import (  # noqa: F401  (cri_node: the fixture)
     DRIVER_ROOT,
@@ -77,7 +78,6 @@ from nvplugin import edits, host_paths
 
 pytestmark = [pytest.mark.device_plugin]
 
-T = TypeVar("T")
 GUEST_KUBELET = Path(__file__).with_name("guestkubelet.py")
 KUBELET_HOME = "/run/test-kubelet"
 DESCRIPTORS = "/usr/local/lib/unb-test-kubelet/api.desc"
@@ -86,6 +86,7 @@ GUEST_PLUGIN_IMAGE = "/var/lib/unb-test-plugin-image/plugin.tar"
 DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
 RESOURCE = "nvidia.com/gpu"
 WAIT = 60.0
+POLL = 0.1  # seconds between looks at what a wait waits for
 RESTART_DELAY = 1.0
 MOUNT_FAILURE = "failed to fulfil mount request"
 
@@ -118,18 +119,6 @@ def plugin_mounts() -> list[tuple[str, str, bool]]:
             (DEVICE_PLUGINS, DEVICE_PLUGINS, False),
             ("/var/run/cdi", "/var/run/cdi", False),
             ("/run/simulated-nvml", "/proc/driver", True)]
-
-
-def wait_for(probe_fn: Callable[[], T | None], what: str, timeout: float = WAIT,
-             detail: Callable[[], object] = lambda: None) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe_fn()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s; {detail()}")
-        time.sleep(0.1)
 
 
 # -- the machine's kubelet ------------------------------------------------------------------
@@ -183,16 +172,18 @@ class GuestKubelet:
 
     def wait_started(self, after_us: int = 0) -> dict[str, Any]:
         """Its state once a kubelet started after ``after_us`` serves kubelet.sock."""
-        return wait_for(lambda: (s := self.state()).get("socket_mono_us") and
-                        s["started_mono_us"] > after_us and s, "the guest kubelet serving",
-                        detail=lambda: self.m.states(KUBELET))
+        return wait_until(lambda: (s := self.state()).get("socket_mono_us") and
+                          s["started_mono_us"] > after_us and s, timeout=WAIT, interval=POLL,
+                          what="the guest kubelet serving",
+                          describe=lambda: str(self.m.states(KUBELET)))
 
     def wait_registration(self, after_us: int = 0, timeout: float = WAIT) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:
             regs = [r for r in self.state().get("registrations", []) if r["mono_us"] > after_us]
             return regs[-1] if regs else None
-        return wait_for(found, "a registration with the guest kubelet", timeout,
-                        detail=self.state)
+        return wait_until(found, timeout=timeout, interval=POLL,
+                          what="a registration with the guest kubelet",
+                          describe=lambda: str(self.state()))
 
     def wait_devices(self, until: Callable[[dict[str, str]], bool], after_us: int = 0,
                      timeout: float = WAIT) -> dict[str, str]:
@@ -204,7 +195,8 @@ class GuestKubelet:
                 devices: dict[str, str] = watches[-1]["lists"][-1]["devices"]
                 return devices if until(devices) else None
             return None
-        return wait_for(found, "ListAndWatch as awaited", timeout, detail=self.state)
+        return wait_until(found, timeout=timeout, interval=POLL, what="ListAndWatch as awaited",
+                          describe=lambda: str(self.state()))
 
     def ask(self, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         name = f"{uuid.uuid4().hex}.json"
@@ -212,7 +204,8 @@ class GuestKubelet:
         tmp.write_text(json.dumps(request))
         os.replace(tmp, self.path(f"requests/{name}"))
         answer = self.path(f"answers/{name}")
-        wait_for(answer.exists, f"the guest kubelet's answer to {request}", timeout)
+        wait_until(answer.exists, timeout=timeout, interval=POLL,
+                   what=f"the guest kubelet's answer to {request}")
         doc: dict[str, Any] = json.loads(answer.read_text())
         return doc
 
@@ -397,6 +390,19 @@ def up(cn: CriNode, m: Machine) -> tuple[cri.Cri, GuestKubelet]:
     return c, k
 
 
+@contextlib.contextmanager
+def plugin_up(cn: CriNode, m: Machine) -> Iterator[tuple[cri.Cri, GuestKubelet, PluginDaemon]]:
+    """The booted machine's containerd and kubelet up, and the plugin's daemon (not
+    started yet); on leaving, the daemon stopped and every container removed."""
+    c, k = up(cn, m)
+    daemon = PluginDaemon(m)
+    try:
+        yield c, k, daemon
+    finally:
+        daemon.close()
+        c.remove_all()
+
+
 def pod_through_plugin(c: cri.Cri, k: GuestKubelet, name: str, gpu: str) -> dict[str, Any]:
     """Allocate ``gpu`` through the machine's kubelet, then a pod given the CDI devices
     Allocate answered: the probe's report."""
@@ -428,52 +434,47 @@ def test_a_boot_the_plugin_registers_writes_its_spec_and_a_pod_gets_its_gpu(
     drv = fetch("bookworm")
     cn = plugin_node(cri_node, descriptors, drv)
     uuids = list(cn.node.sim.nvml_gpus)
-    with cn.machine() as m:
-        c, k = up(cn, m)
-        daemon = PluginDaemon(m)
-        try:
-            daemon.start()
-            reg = k.wait_registration()
-            assert (reg["version"], reg["endpoint"], reg["resource_name"]) == (
-                "v1beta1", "nvidia-gpu.sock", RESOURCE), reg
-            listed = k.wait_devices(lambda d: len(d) == len(uuids))
-            assert listed == dict.fromkeys(uuids, "Healthy"), listed
-            doc = wait_for(lambda: spec_doc(m), "the plugin's spec", detail=daemon.log)
-            assert doc["kind"] == PLUGIN_KIND
-            assert sorted(d["name"] for d in doc["devices"]) == sorted(uuids), doc
-            lib = f"{DRIVER_ROOT}/lib/{MA}"
-            libs = mounted(doc)
-            for path in (f"{lib}/libcuda.so.{drv.version}", f"{lib}/libnvidia-ml.so.{drv.version}"):
-                assert path in libs, libs
-            smi = [p for p in libs if os.path.basename(p) == "nvidia-smi"]
-            assert smi and all(p.startswith(DRIVER_ROOT + "/") for p in smi), libs
-            assert [p for p in libs if not p.startswith((DRIVER_ROOT + "/", "/dev/"))] == [], libs
-            assert absent(m, host_paths(doc)) == [], doc
-            report = check_json(m)
-            assert report["device_plugin_spec"]["present"] is True, report
-            assert [p for p in report["problems"] if p["code"].startswith("plugin-spec-")] == \
-                [], report["problems"]
-            result = pod_through_plugin(c, k, "gpu-through-plugin", uuids[1])
-            assert_pod_gets(result, 1, drv.version)
+    with cn.machine() as m, plugin_up(cn, m) as (c, k, daemon):
+        daemon.start()
+        reg = k.wait_registration()
+        assert (reg["version"], reg["endpoint"], reg["resource_name"]) == (
+            "v1beta1", "nvidia-gpu.sock", RESOURCE), reg
+        listed = k.wait_devices(lambda d: len(d) == len(uuids))
+        assert listed == dict.fromkeys(uuids, "Healthy"), listed
+        doc = wait_until(lambda: spec_doc(m), timeout=WAIT, interval=POLL,
+                         what="the plugin's spec", describe=daemon.log)
+        assert doc["kind"] == PLUGIN_KIND
+        assert sorted(d["name"] for d in doc["devices"]) == sorted(uuids), doc
+        lib = f"{DRIVER_ROOT}/lib/{MA}"
+        libs = mounted(doc)
+        for path in (f"{lib}/libcuda.so.{drv.version}", f"{lib}/libnvidia-ml.so.{drv.version}"):
+            assert path in libs, libs
+        smi = [p for p in libs if os.path.basename(p) == "nvidia-smi"]
+        assert smi and all(p.startswith(DRIVER_ROOT + "/") for p in smi), libs
+        assert [p for p in libs if not p.startswith((DRIVER_ROOT + "/", "/dev/"))] == [], libs
+        assert absent(m, host_paths(doc)) == [], doc
+        report = check_json(m)
+        assert report["device_plugin_spec"]["present"] is True, report
+        assert [p for p in report["problems"] if p["code"].startswith("plugin-spec-")] == \
+            [], report["problems"]
+        result = pod_through_plugin(c, k, "gpu-through-plugin", uuids[1])
+        assert_pod_gets(result, 1, drv.version)
 
-            snap = snapshot(m)
-            setup_start = us(snap[SETUP], "ExecMainStartTimestampMonotonic")
-            marks = {"setup active": us(snap[SETUP], "ActiveEnterTimestampMonotonic"),
-                     "kubelet started": us(snap[KUBELET], "ExecMainStartTimestampMonotonic"),
-                     "plugin container created": daemon.events[0]["mono_us"],
-                     "plugin container started": daemon.events[1]["mono_us"],
-                     "registered": reg["mono_us"], "spec written": spec_mtime_us(m)}
-            line = ", ".join(f"{k_} +{(v - setup_start) / 1e3:.0f} ms" for k_, v in marks.items())
-            gap = (marks["spec written"] - marks["plugin container created"]) / 1e3
-            print(f"device plugin boot (a): from the setup's start: {line}; plugin container "
-                  f"created -> spec {gap:.0f} ms", flush=True)
-            record_timing("device plugin boot (a)", m, snap, note=(
-                f"setup start -> plugin spec {(marks['spec written'] - setup_start) / 1e3:.0f}"
-                f" ms, plugin container created -> spec {gap:.0f} ms"))
-            assert daemon.attempt == 0, daemon.events
-        finally:
-            daemon.close()
-            c.remove_all()
+        snap = snapshot(m)
+        setup_start = us(snap[SETUP], "ExecMainStartTimestampMonotonic")
+        marks = {"setup active": us(snap[SETUP], "ActiveEnterTimestampMonotonic"),
+                 "kubelet started": us(snap[KUBELET], "ExecMainStartTimestampMonotonic"),
+                 "plugin container created": daemon.events[0]["mono_us"],
+                 "plugin container started": daemon.events[1]["mono_us"],
+                 "registered": reg["mono_us"], "spec written": spec_mtime_us(m)}
+        line = ", ".join(f"{k_} +{(v - setup_start) / 1e3:.0f} ms" for k_, v in marks.items())
+        gap = (marks["spec written"] - marks["plugin container created"]) / 1e3
+        print(f"device plugin boot (a): from the setup's start: {line}; plugin container "
+              f"created -> spec {gap:.0f} ms", flush=True)
+        record_timing("device plugin boot (a)", m, snap, note=(
+            f"setup start -> plugin spec {(marks['spec written'] - setup_start) / 1e3:.0f}"
+            f" ms, plugin container created -> spec {gap:.0f} ms"))
+        assert daemon.attempt == 0, daemon.events
 
 
 # -- c: a driver upgrade ---------------------------------------------------------------------
@@ -510,99 +511,94 @@ def test_c_driver_upgrade_under_the_running_plugin(
     old_drv, new_drv = fetch("bookworm"), fetch("trixie")
     cn = plugin_node(cri_node, descriptors, old_drv)
     uuids = list(cn.node.sim.nvml_gpus)
-    with cn.machine() as m:
-        c, k = up(cn, m)
-        daemon = PluginDaemon(m)
-        try:
-            daemon.start()
-            k.wait_registration()
-            k.wait_devices(lambda d: len(d) == len(uuids))
-            wait_for(lambda: (s := summary(m, old_drv.version)).get("names_version") and s,
-                     "the plugin's spec naming 535", detail=daemon.log)
-            assert_pod_gets(pod_through_plugin(c, k, "before", uuids[1]), 1, old_drv.version)
+    with cn.machine() as m, plugin_up(cn, m) as (c, k, daemon):
+        daemon.start()
+        k.wait_registration()
+        k.wait_devices(lambda d: len(d) == len(uuids))
+        wait_until(lambda: (s := summary(m, old_drv.version)).get("names_version") and s,
+                   timeout=WAIT, interval=POLL, what="the plugin's spec naming 535",
+                   describe=daemon.log)
+        assert_pod_gets(pod_through_plugin(c, k, "before", uuids[1]), 1, old_drv.version)
 
-            upgrade_to(cn, new_drv)
-            t0 = now_us()
-            res = host_command(m, "restart")
-            assert res.returncode == 0, res.stderr
-            watch_gate(m)
-            kubelet_again = k.wait_started(after_us=t0)
-            by_itself: dict[str, Any] = {
-                "setup restarted, containerd up at_ms": (now_us() - t0) // 1000,
-                "kubelet restarted at_ms": (kubelet_again["started_mono_us"] - t0) // 1000}
-            # A pod given the plugin's CDI device now, before the plugin wrote again (as
-            # containerd resolves it from the spec on disk): recorded, not asserted.
-            window = summary(m, old_drv.version)
-            if window.get("names_version"):
-                try:
-                    ex = c.run("in-window", ["python3", "-c", pod.PROBE],
-                               cdi=[f"{PLUGIN_KIND}={uuids[1]}"], timeout=POD_TIMEOUT)
-                    by_itself["pod in the window"] = f"started, exit {ex.code}"
-                except cri.CriError as e:
-                    by_itself["pod in the window"] = str(e)[-500:]
-            # By itself: what the plugin does in a bounded window after the restart.
-            timeline: list[dict[str, Any]] = []
-            deadline = time.monotonic() + 45
-            while time.monotonic() < deadline:
-                s = summary(m, new_drv.version)
-                regs = [r["mono_us"] for r in k.state().get("registrations", [])
-                        if r["mono_us"] > t0]
-                entry = {"t_ms": (now_us() - t0) // 1000, "registrations": len(regs),
-                         "plugin_attempt": daemon.attempt, "libcuda": s.get("libcuda"),
-                         "absent": len(s.get("absent") or [])}
-                if not timeline or {x: y for x, y in entry.items() if x != "t_ms"} != \
-                        {x: y for x, y in timeline[-1].items() if x != "t_ms"}:
-                    timeline.append(entry)
-                if regs and s.get("names_version") and not s.get("absent"):
-                    by_itself["healed: spec naming 550, all present, at_ms"] = \
-                        (s["mtime_us"] - t0) // 1000
-                    break
-                time.sleep(0.2)
-            exits = [e for e in daemon.events if e["event"] == "exited" and e["mono_us"] > t0]
-            by_itself["timeline"] = timeline
-            by_itself["plugin exits"] = [
-                {"attempt": e["attempt"], "code": e["code"], "at_ms": (e["mono_us"] - t0) // 1000,
-                 "error": e["log_tail"].rpartition("main.go:")[2][:300]} for e in exits]
-            new_pod: dict[str, Any]
+        upgrade_to(cn, new_drv)
+        t0 = now_us()
+        res = host_command(m, "restart")
+        assert res.returncode == 0, res.stderr
+        watch_gate(m)
+        kubelet_again = k.wait_started(after_us=t0)
+        by_itself: dict[str, Any] = {
+            "setup restarted, containerd up at_ms": (now_us() - t0) // 1000,
+            "kubelet restarted at_ms": (kubelet_again["started_mono_us"] - t0) // 1000}
+        # A pod given the plugin's CDI device now, before the plugin wrote again (as
+        # containerd resolves it from the spec on disk): recorded, not asserted.
+        window = summary(m, old_drv.version)
+        if window.get("names_version"):
             try:
-                report = pod_through_plugin(c, k, "after-by-itself", uuids[1])
-                new_pod = {"started": True, "report": report}
-            except (cri.CriError, AssertionError) as e:
-                new_pod = {"started": False, "error": str(e)[:600]}
-            by_itself["new pod through the plugin started"] = new_pod["started"]
-            print("device plugin upgrade (c), by itself: " + json.dumps(by_itself, indent=1),
-                  flush=True)
-
-            # What it did by itself, as measured (a change in the plugin shows here).
-            assert [(e["attempt"], e["code"]) for e in exits] == [(0, 1)], by_itself
-            assert STALE_SPEC_EXIT in exits[0]["log_tail"], exits[0]["log_tail"]
-            assert f"libcuda.so.{old_drv.version}: not found" in exits[0]["log_tail"]
-            assert "healed: spec naming 550, all present, at_ms" in by_itself, by_itself
-            assert new_pod["started"], new_pod
-            assert_pod_gets(new_pod["report"], 1, new_drv.version)
-
-            # The host agent's step, taken anyway: harmless, the node still ends right.
-            t1 = now_us()
-            daemon.restart()
-            k.wait_registration(after_us=t1)
-            k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"), after_us=t1)
-            end = wait_for(lambda: (s := summary(m, new_drv.version)).get("names_version")
-                           and s["mtime_us"] > t1 and s, "the spec naming 550",
-                           detail=daemon.log)
-            assert end["libcuda"] == [f"libcuda.so.{new_drv.version}"], end
-            assert end["nvml"] == [f"libnvidia-ml.so.{new_drv.version}"], end
-            assert end["absent"] == [], end
-            try:
-                report = pod_through_plugin(c, k, "after-restart", uuids[1])
+                ex = c.run("in-window", ["python3", "-c", pod.PROBE],
+                           cdi=[f"{PLUGIN_KIND}={uuids[1]}"], timeout=POD_TIMEOUT)
+                by_itself["pod in the window"] = f"started, exit {ex.code}"
             except cri.CriError as e:
-                assert MOUNT_FAILURE not in str(e), e
-                raise
-            assert_pod_gets(report, 1, new_drv.version)
-            print(f"device plugin upgrade (c): after the plugin's restart: spec "
-                  f"{(end['mtime_us'] - t1) / 1e3:.0f} ms after the step", flush=True)
-        finally:
-            daemon.close()
-            c.remove_all()
+                by_itself["pod in the window"] = str(e)[-500:]
+        # By itself: what the plugin does in a bounded window after the restart.
+        timeline: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            s = summary(m, new_drv.version)
+            regs = [r["mono_us"] for r in k.state().get("registrations", [])
+                    if r["mono_us"] > t0]
+            entry = {"t_ms": (now_us() - t0) // 1000, "registrations": len(regs),
+                     "plugin_attempt": daemon.attempt, "libcuda": s.get("libcuda"),
+                     "absent": len(s.get("absent") or [])}
+            if not timeline or {x: y for x, y in entry.items() if x != "t_ms"} != \
+                    {x: y for x, y in timeline[-1].items() if x != "t_ms"}:
+                timeline.append(entry)
+            if regs and s.get("names_version") and not s.get("absent"):
+                by_itself["healed: spec naming 550, all present, at_ms"] = \
+                    (s["mtime_us"] - t0) // 1000
+                break
+            time.sleep(0.2)
+        exits = [e for e in daemon.events if e["event"] == "exited" and e["mono_us"] > t0]
+        by_itself["timeline"] = timeline
+        by_itself["plugin exits"] = [
+            {"attempt": e["attempt"], "code": e["code"], "at_ms": (e["mono_us"] - t0) // 1000,
+             "error": e["log_tail"].rpartition("main.go:")[2][:300]} for e in exits]
+        new_pod: dict[str, Any]
+        try:
+            report = pod_through_plugin(c, k, "after-by-itself", uuids[1])
+            new_pod = {"started": True, "report": report}
+        except (cri.CriError, AssertionError) as e:
+            new_pod = {"started": False, "error": str(e)[:600]}
+        by_itself["new pod through the plugin started"] = new_pod["started"]
+        print("device plugin upgrade (c), by itself: " + json.dumps(by_itself, indent=1),
+              flush=True)
+
+        # What it did by itself, as measured (a change in the plugin shows here).
+        assert [(e["attempt"], e["code"]) for e in exits] == [(0, 1)], by_itself
+        assert STALE_SPEC_EXIT in exits[0]["log_tail"], exits[0]["log_tail"]
+        assert f"libcuda.so.{old_drv.version}: not found" in exits[0]["log_tail"]
+        assert "healed: spec naming 550, all present, at_ms" in by_itself, by_itself
+        assert new_pod["started"], new_pod
+        assert_pod_gets(new_pod["report"], 1, new_drv.version)
+
+        # The host agent's step, taken anyway: harmless, the node still ends right.
+        t1 = now_us()
+        daemon.restart()
+        k.wait_registration(after_us=t1)
+        k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"), after_us=t1)
+        end = wait_until(lambda: (s := summary(m, new_drv.version)).get("names_version")
+                         and s["mtime_us"] > t1 and s, timeout=WAIT, interval=POLL,
+                         what="the spec naming 550", describe=daemon.log)
+        assert end["libcuda"] == [f"libcuda.so.{new_drv.version}"], end
+        assert end["nvml"] == [f"libnvidia-ml.so.{new_drv.version}"], end
+        assert end["absent"] == [], end
+        try:
+            report = pod_through_plugin(c, k, "after-restart", uuids[1])
+        except cri.CriError as e:
+            assert MOUNT_FAILURE not in str(e), e
+            raise
+        assert_pod_gets(report, 1, new_drv.version)
+        print(f"device plugin upgrade (c): after the plugin's restart: spec "
+              f"{(end['mtime_us'] - t1) / 1e3:.0f} ms after the step", flush=True)
 
 
 # -- d: Xids while the plugin runs -------------------------------------------------------------
@@ -621,9 +617,7 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes,  # noqa
     drv = fetch("bookworm")
     cn = plugin_node(cri_node, descriptors, drv, reading)
     uuids = list(cn.node.sim.nvml_gpus)
-    with cn.machine() as m:
-        c, k = up(cn, m)
-        daemon = PluginDaemon(m)
+    with cn.machine() as m, plugin_up(cn, m) as (_, k, daemon):
         # Its health checks hear an Xid only once they registered (as with a real NVML):
         # the moment each GPU's xid-events file is first opened (simnvml.XidRegistrations).
         host_files = simnvml.xid_files(cn.node.sim)
@@ -633,8 +627,7 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes,  # noqa
         proc_driver = cn.node.host / "proc/driver"
         guest = [cn.node.rootfs / GUEST_PROC_DRIVER.lstrip("/") / f.relative_to(proc_driver)
                  for f in host_files]
-        registered = simnvml.XidRegistrations(guest)
-        try:
+        with simnvml.XidRegistrations(guest) as registered:
             daemon.start()
             k.wait_registration()
             k.wait_devices(lambda d: d == dict.fromkeys(uuids, "Healthy"))
@@ -677,10 +670,6 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes,  # noqa
                 ("gpu-lost", "/dev/nvidia1")], after["problems"]
             # The plugin, still running, still lists both Unhealthy (until its plugins restart).
             assert k.wait_devices(lambda d: True) == dict.fromkeys(uuids, "Unhealthy")
-        finally:
-            registered.close()
-            daemon.close()
-            c.remove_all()
 
 
 # -- e: a lost GPU at the plugin's start --------------------------------------------------------
@@ -704,46 +693,41 @@ def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes,  #
     simnvml.set_reading(cn.node.sim, reading)
     sync_proc_driver(cn.node)
     install(cn, descriptors)
-    with cn.machine() as m:
-        c, k = up(cn, m)
-        daemon = PluginDaemon(m)
-        try:
-            t0 = now_us()
-            daemon.start()
-            wait_for(lambda: len([e for e in daemon.events if e["event"] == "exited"]) >= 3,
-                     "three exits of the plugin", detail=daemon.log)
-            exits = [e for e in daemon.events if e["event"] == "exited"]
-            firsts = [(e["mono_us"] - t0) // 1000 for e in exits]
-            print(f"device plugin lost GPU (e): exits at {firsts} ms after the first start "
-                  f"(restart delay {RESTART_DELAY} s here; kubelet backs off 10 s, 20 s, ... "
-                  "to 5 min: CrashLoopBackOff)", flush=True)
-            for e in exits:
-                assert e["code"] == 1, e
-                assert e["log_tail"].rstrip().endswith(LOST_GPU_ERROR), e["log_tail"]
-            assert k.state().get("registrations") == [], k.state()
-            assert spec_doc(m) is None
-            report = check_json(m)
-            status = m.prop(SETUP, "StatusText")
-            shown = m.exec("/usr/bin/unbounded-nvidia-setup", "status", check=False).stdout
-            print("device plugin lost GPU (e), the product: " + json.dumps({
-                "status": [ln for ln in shown.splitlines() if ln.startswith(("Device", "GPUs"))],
-                "verdict": report["verdict"],
-                "problems": [p["message"] for p in report["problems"]],
-                "device_plugin_spec": report.get("device_plugin_spec"), "STATUS": status}),
-                flush=True)
-            assert report["verdict"] == "degraded", report
-            # What the operator reads (issue 32, 4e): our spec serves 2 of 3, and
-            # NVIDIA's plugin none, in check, status and STATUS= alike.
-            assert "Device plugin:  no spec: NVIDIA's device plugin (v0.20) exits" in shown, \
-                shown
-            assert status.startswith("Ready (degraded): the spec serves 2 of 3 GPUs"), status
-            assert "NVIDIA's device plugin serves none while a GPU is unusable" in status, \
-                status
-            lost, = report["problems"]
-            assert "NVIDIA's device plugin (v0.20) exits" in lost["message"], lost
-        finally:
-            daemon.close()
-            c.remove_all()
+    with cn.machine() as m, plugin_up(cn, m) as (_, k, daemon):
+        t0 = now_us()
+        daemon.start()
+        wait_until(lambda: len([e for e in daemon.events if e["event"] == "exited"]) >= 3,
+                   timeout=WAIT, interval=POLL, what="three exits of the plugin",
+                   describe=daemon.log)
+        exits = [e for e in daemon.events if e["event"] == "exited"]
+        firsts = [(e["mono_us"] - t0) // 1000 for e in exits]
+        print(f"device plugin lost GPU (e): exits at {firsts} ms after the first start "
+              f"(restart delay {RESTART_DELAY} s here; kubelet backs off 10 s, 20 s, ... "
+              "to 5 min: CrashLoopBackOff)", flush=True)
+        for e in exits:
+            assert e["code"] == 1, e
+            assert e["log_tail"].rstrip().endswith(LOST_GPU_ERROR), e["log_tail"]
+        assert k.state().get("registrations") == [], k.state()
+        assert spec_doc(m) is None
+        report = check_json(m)
+        status = m.prop(SETUP, "StatusText")
+        shown = m.exec("/usr/bin/unbounded-nvidia-setup", "status", check=False).stdout
+        print("device plugin lost GPU (e), the product: " + json.dumps({
+            "status": [ln for ln in shown.splitlines() if ln.startswith(("Device", "GPUs"))],
+            "verdict": report["verdict"],
+            "problems": [p["message"] for p in report["problems"]],
+            "device_plugin_spec": report.get("device_plugin_spec"), "STATUS": status}),
+            flush=True)
+        assert report["verdict"] == "degraded", report
+        # What the operator reads (issue 32, 4e): our spec serves 2 of 3, and
+        # NVIDIA's plugin none, in check, status and STATUS= alike.
+        assert "Device plugin:  no spec: NVIDIA's device plugin (v0.20) exits" in shown, \
+            shown
+        assert status.startswith("Ready (degraded): the spec serves 2 of 3 GPUs"), status
+        assert "NVIDIA's device plugin serves none while a GPU is unusable" in status, \
+            status
+        lost, = report["problems"]
+        assert "NVIDIA's device plugin (v0.20) exits" in lost["message"], lost
 
 
 # -- b: the incident, with its own component ---------------------------------------------------
@@ -765,70 +749,65 @@ def test_b_the_older_agents_root_under_the_plugin(
     drv = fetch("bookworm")
     cn = plugin_node(cri_node, descriptors, drv)
     uuids = list(cn.node.sim.nvml_gpus)
-    with cn.machine() as m:
-        c, k = up(cn, m)
+    with cn.machine() as m, plugin_up(cn, m) as (c, k, daemon):
         libdir = f"{DRIVER_ROOT}/lib/{MA}"
         for stem in links:
             name = f"{stem}.{drv.version}"
             m.exec("ln", "-sf", f"/run/host-nvidia/0/{name}", f"{libdir}/{name}")
-        daemon = PluginDaemon(m)
-        try:
-            daemon.start()
-            outcome = wait_for(
-                lambda: ("registered" if k.state().get("registrations") and spec_doc(m)
-                         else "exited" if any(e["event"] == "exited" for e in daemon.events)
-                         else None), "the plugin registering or exiting", detail=daemon.log)
-            seen: dict[str, Any] = {"plugin": outcome}
-            if outcome == "exited":
-                seen["exit"] = next(e["log_tail"][-400:] for e in daemon.events
-                                    if e["event"] == "exited")
-            else:
-                doc = spec_doc(m)
-                assert doc is not None
-                names = [os.path.basename(p) for p in mounted(doc)]
-                seen["spec libcuda"] = [n for n in names if n.startswith("libcuda.so")]
-                seen["spec nvml"] = [n for n in names if n.startswith("libnvidia-ml.so")]
-                seen["spec mounts"] = len(names)
-            report = check_json(m)
-            seen["check"] = (report["verdict"], sorted({p["code"] for p in report["problems"]}))
-            seen["check plugin-spec"] = [p["message"] for p in report["problems"]
-                                         if p["code"].startswith("plugin-spec-")]
-            if outcome == "registered":
-                try:
-                    result = pod_through_plugin(c, k, "incident-pod", uuids[1])
-                    seen["pod nvidia-smi"] = result["nvidia_smi"]
-                    seen["pod gaps"] = pod.missing(result, drv.version)
-                except cri.CriError as e:
-                    seen["pod"] = str(e)[-400:]
-            print(f"device plugin incident (b, {'+'.join(links)}): " + json.dumps(seen, indent=1),
-                  flush=True)
-            # As measured: NVML loads (the plugin's container has it from our spec's
-            # `all` device) and names the driver's version; the spec generation looks for
-            # that version's libcuda, then NVML, under /driver-root.
-            assert {"root-absolute-link", "root-escaping-link"} <= set(seen["check"][1]), seen
-            if links == ("libcuda.so", "libnvidia-ml.so"):
-                assert outcome == "exited", seen
-                assert f'failed to locate "libcuda.so.": libcuda.so.{drv.version}: not found' \
-                    in seen["exit"], seen
-                assert seen["check plugin-spec"] == [], seen
-                return
-            assert outcome == "registered", seen
-            lost = links[0]
-            kept = "libnvidia-ml.so" if lost == "libcuda.so" else "libcuda.so"
-            key = {"libcuda.so": "spec libcuda", "libnvidia-ml.so": "spec nvml"}
-            assert seen[key[lost]] == [] and seen[key[kept]] == [f"{kept}.{drv.version}"], seen
-            assert len(seen["check plugin-spec"]) == 1, seen
-            assert f"does not mount {lost}.{drv.version}" in seen["check plugin-spec"][0], seen
-            if lost == "libcuda.so":
-                assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
-                                            "libcuda.so.1 in the linker cache",
-                                            "cuInit answering a CUDA error code"], seen
-            else:  # the incident's pod: nvidia-smi cannot find NVML
-                assert pod.SMI_NO_NVML in seen["pod nvidia-smi"][1], seen
-                assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
-                                            "libnvidia-ml.so.1 in the linker cache",
-                                            "nvmlInit_v2 answering 9",
-                                            "nvidia-smi loading NVML"], seen
-        finally:
-            daemon.close()
-            c.remove_all()
+        daemon.start()
+        outcome = wait_until(
+            lambda: ("registered" if k.state().get("registrations") and spec_doc(m)
+                     else "exited" if any(e["event"] == "exited" for e in daemon.events)
+                     else None), timeout=WAIT, interval=POLL,
+            what="the plugin registering or exiting", describe=daemon.log)
+        seen: dict[str, Any] = {"plugin": outcome}
+        if outcome == "exited":
+            seen["exit"] = next(e["log_tail"][-400:] for e in daemon.events
+                                if e["event"] == "exited")
+        else:
+            doc = spec_doc(m)
+            assert doc is not None
+            names = [os.path.basename(p) for p in mounted(doc)]
+            seen["spec libcuda"] = [n for n in names if n.startswith("libcuda.so")]
+            seen["spec nvml"] = [n for n in names if n.startswith("libnvidia-ml.so")]
+            seen["spec mounts"] = len(names)
+        report = check_json(m)
+        seen["check"] = (report["verdict"], sorted({p["code"] for p in report["problems"]}))
+        seen["check plugin-spec"] = [p["message"] for p in report["problems"]
+                                     if p["code"].startswith("plugin-spec-")]
+        if outcome == "registered":
+            try:
+                result = pod_through_plugin(c, k, "incident-pod", uuids[1])
+                seen["pod nvidia-smi"] = result["nvidia_smi"]
+                seen["pod gaps"] = pod.missing(result, drv.version)
+            except cri.CriError as e:
+                seen["pod"] = str(e)[-400:]
+        print(f"device plugin incident (b, {'+'.join(links)}): " + json.dumps(seen, indent=1),
+              flush=True)
+        # As measured: NVML loads (the plugin's container has it from our spec's
+        # `all` device) and names the driver's version; the spec generation looks for
+        # that version's libcuda, then NVML, under /driver-root.
+        assert {"root-absolute-link", "root-escaping-link"} <= set(seen["check"][1]), seen
+        if links == ("libcuda.so", "libnvidia-ml.so"):
+            assert outcome == "exited", seen
+            assert f'failed to locate "libcuda.so.": libcuda.so.{drv.version}: not found' \
+                in seen["exit"], seen
+            assert seen["check plugin-spec"] == [], seen
+            return
+        assert outcome == "registered", seen
+        lost = links[0]
+        kept = "libnvidia-ml.so" if lost == "libcuda.so" else "libcuda.so"
+        key = {"libcuda.so": "spec libcuda", "libnvidia-ml.so": "spec nvml"}
+        assert seen[key[lost]] == [] and seen[key[kept]] == [f"{kept}.{drv.version}"], seen
+        assert len(seen["check plugin-spec"]) == 1, seen
+        assert f"does not mount {lost}.{drv.version}" in seen["check plugin-spec"][0], seen
+        if lost == "libcuda.so":
+            assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
+                                        "libcuda.so.1 in the linker cache",
+                                        "cuInit answering a CUDA error code"], seen
+        else:  # the incident's pod: nvidia-smi cannot find NVML
+            assert pod.SMI_NO_NVML in seen["pod nvidia-smi"][1], seen
+            assert seen["pod gaps"] == ["/dev/nvidia0 and /dev/nvidiactl",
+                                        "libnvidia-ml.so.1 in the linker cache",
+                                        "nvmlInit_v2 answering 9",
+                                        "nvidia-smi loading NVML"], seen
