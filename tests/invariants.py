@@ -310,7 +310,7 @@ class Access:
     flags: str = ""  # of an open
 
 
-def _fd_path(arg: str) -> str | None:
+def fd_path(arg: str) -> str | None:
     m = re.match(r"^(?:-?\d+|AT_FDCWD)(<.*>)$", arg)
     return unquote(m.group(1)) if m else None
 
@@ -354,7 +354,7 @@ def accesses(calls: Iterable[Call]) -> list[Access]:
     def resolve(pid: int, dirfd: str | None, raw: str) -> str:
         if raw.startswith("/"):
             return os.path.normpath(chroot.get(pid, "") + raw)
-        base = (_fd_path(dirfd) if dirfd else None) or os.getcwd()
+        base = (fd_path(dirfd) if dirfd else None) or os.getcwd()
         return os.path.normpath(os.path.join(base, raw))
 
     for call in calls:
@@ -376,19 +376,19 @@ def accesses(calls: Iterable[Call]) -> list[Access]:
             dirfd = a[0] if off else None
             found.append(Access(call.pid, call.name, kind, resolve(call.pid, dirfd, raw),
                                 call.result, flags))
-            opened = _fd_path(call.result.split(" ")[0]) if call.result else None
+            opened = fd_path(call.result.split(" ")[0]) if call.result else None
             if opened:
                 found.append(Access(call.pid, call.name, kind, os.path.normpath(opened),
                                     call.result, flags))
             continue
         if call.name in ("fchmod", "fchown") and a:
-            path = _fd_path(a[0])
+            path = fd_path(a[0])
             if path:
                 found.append(Access(call.pid, call.name, "write", path, call.result))
             continue
         if call.name == "utimensat" and len(a) >= 2:
             raw = _string(a[1])
-            path = resolve(call.pid, a[0], raw) if raw else _fd_path(a[0])
+            path = resolve(call.pid, a[0], raw) if raw else fd_path(a[0])
             if path:
                 found.append(Access(call.pid, call.name, "write", path, call.result))
             continue
@@ -407,7 +407,7 @@ def call_path(call: Call) -> str | None:
     found = accesses([call])
     if found:
         return found[0].path
-    return _fd_path(call.args[0]) if call.args else None
+    return fd_path(call.args[0]) if call.args else None
 
 
 def symlink_targets(calls: Iterable[Call]) -> list[tuple[str, str]]:

@@ -56,6 +56,7 @@ from invariants import (
     Call,
     accesses,
     call_path,
+    fd_path,
     parse_calls,
     product_argv,
     product_env,
@@ -326,11 +327,8 @@ def choose_points(calls: list[Call], root: Path, classes: list[str]) -> dict[str
 def touches(call: Call, paths: tuple[str, ...]) -> bool:
     """Whether strace's path filter (-P `paths`) passes `call`: a descriptor argument
     whose path (-y) is one of them, or a path argument that is one of them as written."""
-    for arg in call.args:
-        fd = re.match(r"^(?:-?\d+|AT_FDCWD)(<.*>)$", arg)
-        if (fd and unquote(fd.group(1)) in paths) or (arg[:1] == '"' and unquote(arg) in paths):
-            return True
-    return False
+    return any(fd_path(arg) in paths or (arg[:1] == '"' and unquote(arg) in paths)
+               for arg in call.args)
 
 
 def class_points(cls: str, ordered: list[Call], main: int, root: Path) -> list[Point]:
