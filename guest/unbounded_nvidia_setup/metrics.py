@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import log, outcome
-from .outcome import RELOAD, Gpus
+from .outcome import RELOAD, RUN, Gpus
 from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class RunRecord:
         self.report: Report | None = None  # the end state the run proved (check's report)
         self.no_gpu = False  # proved without check: no GPU, and nothing of ours left
         self.checked_at = 0.0
-        self.command = "run"  # outcome.RUN or outcome.RELOAD
+        self.command = RUN  # or RELOAD
         self.error: str | None = None  # the failure's one line
         self.gpus = Gpus()  # what NVML said of the GPUs (cdi.Generator's assessment)
         # A run that never got the lock (exit 75) did nothing: the outcome on record is the

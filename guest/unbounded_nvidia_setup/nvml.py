@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 # NVML's return codes (nvml.h) this tool names.
 SUCCESS = 0
-NOT_SUPPORTED = 3
 NO_PERMISSION = 4
 INSUFFICIENT_POWER = 8
 DRIVER_NOT_LOADED = 9
@@ -76,9 +75,6 @@ class Answer:
         self.count = count
         self.gpus = gpus or []
         self.texts = texts or {}
-
-    def text(self, ret: int) -> str:
-        return self.texts.get(ret) or TEXTS.get(ret) or f"NVML error {ret}"
 
 
 def parse(text: str) -> Answer | None:

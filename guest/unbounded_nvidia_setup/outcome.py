@@ -58,10 +58,6 @@ class UnusableGpu:
         self.uuid = uuid
         self.bus_id = bus_id
 
-    @property
-    def lost(self) -> bool:
-        return self.code == GPU_IS_LOST
-
     def _key(self) -> tuple[int, int, str | None, str | None, str | None]:
         return self.index, self.code, self.device, self.uuid, self.bus_id
 
