@@ -20,14 +20,15 @@
  * /run/simulated-nvml exists in the caller's mount namespace when the library is loaded
  * (kept as an O_PATH descriptor, like P), the module's files below, written here as
  * P/proc/driver/..., are read from /run/simulated-nvml/... instead (nvidia/gpus/<bus>/...,
- * nvidia/simulated-nvml-reading; a test bind-mounts a machine's proc/driver there,
- * read-only). It is for a container: a real NVML reads the host kernel's /proc/driver,
+ * nvidia/simulated-nvml-reading, nvidia/simulated-nvml-devices; a test bind-mounts a
+ * machine's proc/driver there, read-only). It is for a container: a real NVML reads the host kernel's /proc/driver,
  * which is not namespaced, so a container sees the host's module through it; runc mounts
  * a fresh /proc in a container (this host's kernel lists no NVIDIA module there) and
  * refuses bind mounts under /proc, and a library at /driver-root/lib/... has P = "", so
  * without the directory it would read the container's empty /proc and answer 9.
- * P/dev/nvidiactl is still read where it was (in a container, P = "": the container's
- * own /dev, a CDI-injected node). Without the directory nothing changes.
+ * P/dev/nvidiactl and P/dev/nvidia<minor> are still read where they were (in a
+ * container, P = "": the container's own /dev, CDI-injected nodes). Without the
+ * directory nothing changes.
  *
  * State, read again at every first nvmlInit* (refcount 0 -> 1; nvidia-ctk inits and
  * shuts NVML down several times per run):
@@ -50,11 +51,41 @@
  *                               Unknown) for the lookups the reading below says; the
  *                               device count still includes the GPU
  *     lost                      the GPU fell off the bus (Xid 79): "error 15"
+ *     hang                      a GPU whose GSP stopped answering: getting a handle
+ *                               blocks, never returning, for the lookups an "error"
+ *                               would fail (the reading below, as a code other than 8
+ *                               and 11); with an "error" or "lost" line too, it hangs
+ *     query-error <function> <code>
+ *                               the GPU's handles are got as its state otherwise says,
+ *                               but <function>, called with its handle (or one of its
+ *                               MIG devices'), answers <code> (> 0; 999 Unknown, 15,
+ *                               4, ...) after its argument checks (those answer 2 as
+ *                               before), instead of its own answer. <function>, a
+ *                               per-device query by its base name (versioned entry
+ *                               points follow it): nvmlDeviceGetUUID,
+ *                               nvmlDeviceGetName, nvmlDeviceGetMinorNumber,
+ *                               nvmlDeviceGetIndex, nvmlDeviceGetPciInfo (_v2, _v3),
+ *                               nvmlDeviceGetMemoryInfo, nvmlDeviceGetAttributes (_v2),
+ *                               nvmlDeviceGetCudaComputeCapability,
+ *                               nvmlDeviceGetMigMode, nvmlDeviceGetMaxMigDeviceCount,
+ *                               nvmlDeviceGetMigDeviceHandleByIndex,
+ *                               nvmlDeviceIsMigDeviceHandle,
+ *                               nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+ *                               nvmlDeviceGetGpuInstanceId,
+ *                               nvmlDeviceGetComputeInstanceId. Several lines allowed.
+ *     hang <function>           <function> (as above), called with the GPU's handle (or
+ *                               one of its MIG devices'), blocks after its argument
+ *                               checks, never returning. A blocked call sleeps
+ *                               (nanosleep) with signals as the caller left them: a
+ *                               signal that kills the caller (SIGTERM, SIGKILL) ends it.
  *     mig                       MIG mode enabled (nvmlDeviceGetMigMode 1/1; else 0/0)
  *     mig-device <slot> <gi id> <ci id> <gi profile 0..17> <ci profile 0..8> <MIG-uuid>
  *                               a MIG device (compute instance) in slot 0..6 of the 7
  *                               (nvmlDeviceGetMaxMigDeviceCount); an empty slot answers
  *                               6, Not Found. Profile info ids equal the profile index.
+ * A query-error or hang line that does not parse, or names a function not listed, makes
+ * every init answer 999, as a reading word the library does not know does (below), so a
+ * typo in a test cannot pass for a healthy GPU. Other lines are ignored.
  *
  * Which lookups a GPU's error fails: NVML's header (go-nvml's nvml.h) ties GPU_IS_LOST to
  * "the target GPU" by index and by PCI bus id, but by UUID to "any GPU" ("NVML may
@@ -65,6 +96,10 @@
  *   P/proc/driver/nvidia/simulated-nvml-reading   one word (absent: target; a word not
  *                                                 below: every init answers 999)
  * E = the failing GPU's code; "first" = the lowest NVML index whose GPU has an error.
+ * A GPU that hangs is a GPU with an error whose E is "block" (never 8 or 11): where the
+ * table answers its E, the lookup blocks instead; e.g. under any every lookup by UUID
+ * blocks, under walk a lookup by UUID whose search reaches it, under target only a
+ * lookup of that GPU itself.
  *
  *   reading  lookup                       fails with
  *   -------  ---------------------------  ----------------------------------------------
@@ -81,12 +116,26 @@
  *            by UUID (GPU or MIG)         else E of the first GPU with an error, whatever
  *                                         the target; none: the target, or 6
  *
+ * A GPU's device node, in NVML run in a container that lacks it (CDI gave the container
+ * other GPUs only): a second machine-wide file, read at every first init like the
+ * reading, says what NVML does with a GPU whose P/dev/nvidia<minor> is not a character
+ * device (in a container P = "": the container's own /dev):
+ *   P/proc/driver/nvidia/simulated-nvml-devices   one word (absent: device nodes other
+ *                                                 than nvidiactl are not looked at; a
+ *                                                 word not below: every init answers 999)
+ *   skip     the GPU is not enumerated: count and indices skip it, as for an excluded
+ *            GPU (no other GPU left: init answers 9)
+ *   deny     the GPU is counted and its handle lookups answer 4, No Permission, as an
+ *            "error 4" would in the machine's reading (walk and any: lookups by UUID of
+ *            other GPUs too), whatever its simulated-nvml says of its lookups
+ *
  * The event API (what NVIDIA's device plugin's health checks call): every GPU supports
  * single- and double-bit ECC, PState, Xid and MIG-config events (0x10F).
  * nvmlDeviceRegisterEvents and nvmlDeviceGetSupportedEventTypes on a GPU with an error
  * answer as a lookup of that GPU by index does in the machine's reading (the header ties
- * their GPU_IS_LOST to "the target GPU"); a MIG device's handle stands for its GPU. Types
- * outside nvmlEventTypeAll answer 2; a supported-but-unlisted type 3, registering none.
+ * their GPU_IS_LOST to "the target GPU"; a GPU that hangs blocks them); a MIG device's
+ * handle stands for its GPU. Types outside nvmlEventTypeAll answer 2; a
+ * supported-but-unlisted type 3, registering none.
  * Xid events come from a third per-GPU file, read again at every wait (NVML stays
  * initialised while a device plugin runs, so its state must not wait for a first init):
  *   P/proc/driver/nvidia/gpus/<bus>/xid-events   one Xid (decimal) a line, appended; a
@@ -149,6 +198,21 @@ enum {
 #define CI_PROFILES 9
 #define GIB (1024ULL * 1024ULL * 1024ULL)
 
+/* The per-device queries a GPU's simulated-nvml can fail or block (query-error, hang),
+ * by the names the file uses; a versioned entry point answers as its base name. */
+enum query {
+    Q_UUID, Q_MINOR, Q_PCI, Q_MIG_MODE, Q_NAME, Q_MAX_MIG, Q_MIG_BY_INDEX, Q_ATTRIBUTES,
+    Q_CUDA_CC, Q_MEMORY, Q_PARENT, Q_GI_ID, Q_CI_ID, Q_INDEX, Q_IS_MIG, QUERIES
+};
+static const char *const query_names[QUERIES] = {
+    "nvmlDeviceGetUUID", "nvmlDeviceGetMinorNumber", "nvmlDeviceGetPciInfo",
+    "nvmlDeviceGetMigMode", "nvmlDeviceGetName", "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetAttributes",
+    "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle", "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId", "nvmlDeviceGetIndex", "nvmlDeviceIsMigDeviceHandle",
+};
+
 typedef struct nvmlDevice_st {
     int is_mig;
     unsigned index;               /* NVML index of a GPU; slot of a MIG device */
@@ -159,6 +223,9 @@ typedef struct nvmlDevice_st {
     unsigned domain, busnum, devnum, func;
     unsigned minor;
     int error;                    /* the code its handle lookups answer; 0: healthy */
+    int hang;                     /* its handle lookups block (instead of its error) */
+    int query_error[QUERIES];     /* the code each query answers for it; 0: its answer */
+    int query_hang[QUERIES];      /* the query blocks for it */
     int mig_enabled;
     int present;                  /* MIG slot in use */
     unsigned gi, ci, gi_profile, ci_profile;
@@ -232,6 +299,8 @@ static struct nvmlComputeInstance_st cis[MAX_GPUS][MAX_MIG];
 static unsigned gpu_count;
 enum reading { READ_TARGET, READ_WALK, READ_ANY };
 static enum reading reading;
+enum devices { DEVICES_UNREAD, DEVICES_SKIP, DEVICES_DENY };
+static enum devices devices_reading;
 static int refcount;
 static int machine_fd = -1; /* O_PATH descriptor of P ("" -> "/") */
 static int state_fd = -1;   /* O_PATH descriptor of STATE_DIR, when it exists at load */
@@ -333,22 +402,45 @@ static unsigned gi_slices(unsigned profile)
     return profile < GI_PROFILES ? slices[profile] : 0;
 }
 
-static void read_sim_state(nvmlDevice_t gpu, unsigned g)
+/* The query a simulated-nvml line names; -1 for a name not in query_names. */
+static int query_named(const char *name)
+{
+    for (int q = 0; q < QUERIES; q++) {
+        if (strcmp(query_names[q], name) == 0)
+            return q;
+    }
+    return -1;
+}
+
+/* GPU g's simulated-nvml; NVML_ERROR_UNKNOWN for a query-error or hang line that does
+ * not name a query of query_names (or lacks a positive code), so a typo fails init. */
+static int read_sim_state(nvmlDevice_t gpu, unsigned g)
 {
     char path[128], text[8192];
     snprintf(path, sizeof path, "nvidia/gpus/%s/simulated-nvml", gpu->bus);
     if (read_driver(path, text, sizeof text) < 0)
-        return;
+        return NVML_SUCCESS;
     char *save = NULL;
     for (char *line = strtok_r(text, "\n", &save); line != NULL;
          line = strtok_r(NULL, "\n", &save)) {
         unsigned slot, gi, ci, gip, cip;
-        char uuid[96];
-        int code;
+        char uuid[96], name[64], rest;
+        int code, q;
         if (strcmp(line, "lost") == 0) {
             gpu->error = NVML_ERROR_GPU_IS_LOST;
         } else if (sscanf(line, "error %d", &code) == 1 && code > 0) {
             gpu->error = code;
+        } else if (strncmp(line, "query-error", 11) == 0 && (line[11] == ' ' || !line[11])) {
+            if (sscanf(line, "query-error %63s %d %c", name, &code, &rest) != 2 || code <= 0 ||
+                (q = query_named(name)) < 0)
+                return NVML_ERROR_UNKNOWN;
+            gpu->query_error[q] = code;
+        } else if (strcmp(line, "hang") == 0) {
+            gpu->hang = 1;
+        } else if (strncmp(line, "hang ", 5) == 0) {
+            if (sscanf(line, "hang %63s %c", name, &rest) != 1 || (q = query_named(name)) < 0)
+                return NVML_ERROR_UNKNOWN;
+            gpu->query_hang[q] = 1;
         } else if (strcmp(line, "mig") == 0) {
             gpu->mig_enabled = 1;
         } else if (sscanf(line, "mig-device %u %u %u %u %u %95s", &slot, &gi, &ci, &gip, &cip,
@@ -370,6 +462,7 @@ static void read_sim_state(nvmlDevice_t gpu, unsigned g)
     }
     if (!gpu->mig_enabled)
         memset(migs[g], 0, sizeof migs[g]);
+    return NVML_SUCCESS;
 }
 
 /* The machine's reading of the header (see the top); a word this file does not know
@@ -392,6 +485,33 @@ static int read_reading(void)
     return NVML_SUCCESS;
 }
 
+/* The machine's reading of GPU device nodes (see the top): absent, nodes are not looked
+ * at; a word this file does not know fails init, as for the reading above. */
+static int read_devices(void)
+{
+    char text[64];
+    devices_reading = DEVICES_UNREAD;
+    if (read_driver("nvidia/simulated-nvml-devices", text, sizeof text) < 0)
+        return NVML_SUCCESS;
+    text[strcspn(text, " \t\r\n")] = '\0';
+    if (strcmp(text, "skip") == 0)
+        devices_reading = DEVICES_SKIP;
+    else if (strcmp(text, "deny") == 0)
+        devices_reading = DEVICES_DENY;
+    else
+        return NVML_ERROR_UNKNOWN;
+    return NVML_SUCCESS;
+}
+
+/* Whether P/dev/nvidia<minor> is a character device (a container's own /dev: P = ""). */
+static int has_node(unsigned minor)
+{
+    char node[32];
+    struct stat st;
+    snprintf(node, sizeof node, "dev/nvidia%u", minor);
+    return fstatat(machine_fd, node, &st, 0) == 0 && S_ISCHR(st.st_mode);
+}
+
 /* The machine's GPUs now; NVML_SUCCESS, NVML_ERROR_DRIVER_NOT_LOADED, or
  * NVML_ERROR_UNKNOWN for a reading this file does not know. */
 static int load_machine(void)
@@ -409,7 +529,7 @@ static int load_machine(void)
         return NVML_ERROR_DRIVER_NOT_LOADED;
     if (fstatat(machine_fd, "dev/nvidiactl", &st, 0) != 0 || !S_ISCHR(st.st_mode))
         return NVML_ERROR_DRIVER_NOT_LOADED;
-    if (read_reading() != NVML_SUCCESS)
+    if (read_reading() != NVML_SUCCESS || read_devices() != NVML_SUCCESS)
         return NVML_ERROR_UNKNOWN;
     int dfd = open_driver("nvidia/gpus", O_RDONLY | O_DIRECTORY);
     if (dfd < 0)
@@ -425,6 +545,7 @@ static int load_machine(void)
     }
     closedir(dir);
     qsort(names, n, sizeof names[0], by_name);
+    int ret = NVML_SUCCESS;
     for (unsigned i = 0; i < n; i++) {
         char path[PATH_MAX], text[8192], uuid[96], minor[32], model[96], excluded[16];
         snprintf(path, sizeof path, "nvidia/gpus/%s/information", names[i]);
@@ -436,22 +557,33 @@ static int load_machine(void)
             field(text, "GPU Excluded", excluded, sizeof excluded);
             /* An excluded GPU's UUID line still starts with "GPU-" (question marks
              * follow): the flag, not the UUID, is what keeps it out of NVML. */
-            if (strcasecmp(excluded, "Yes") != 0 && strncmp(uuid, "GPU-", 4) == 0 && minor[0] && strspn(minor, "0123456789") == strlen(minor)) {
+            int enumerated = strcasecmp(excluded, "Yes") != 0 && strncmp(uuid, "GPU-", 4) == 0 &&
+                             minor[0] && strspn(minor, "0123456789") == strlen(minor);
+            unsigned number = enumerated ? (unsigned)strtoul(minor, NULL, 10) : 0;
+            int node = enumerated && (devices_reading == DEVICES_UNREAD || has_node(number));
+            if (enumerated && (node || devices_reading != DEVICES_SKIP)) {
                 nvmlDevice_t gpu = &gpus[gpu_count];
                 gpu->index = gpu_count;
                 snprintf(gpu->uuid, sizeof gpu->uuid, "%s", uuid);
                 snprintf(gpu->name, sizeof gpu->name, "%s", model[0] ? model : "NVIDIA GPU");
                 snprintf(gpu->bus, sizeof gpu->bus, "%s", names[i]);
-                gpu->minor = (unsigned)strtoul(minor, NULL, 10);
+                gpu->minor = number;
                 if (sscanf(names[i], "%x:%x:%x.%x", &gpu->domain, &gpu->busnum, &gpu->devnum,
                            &gpu->func) != 4)
                     gpu->domain = gpu->busnum = gpu->devnum = gpu->func = 0;
-                read_sim_state(gpu, gpu_count);
+                if (read_sim_state(gpu, gpu_count) != NVML_SUCCESS)
+                    ret = NVML_ERROR_UNKNOWN;
+                if (!node) { /* deny: NVML cannot open the GPU's node */
+                    gpu->error = NVML_ERROR_NO_PERMISSION;
+                    gpu->hang = 0;
+                }
                 gpu_count++;
             }
         }
         free(names[i]);
     }
+    if (ret != NVML_SUCCESS)
+        return ret;
     return gpu_count ? NVML_SUCCESS : NVML_ERROR_DRIVER_NOT_LOADED;
 }
 
@@ -487,6 +619,33 @@ static int copy_out(const char *value, char *buf, unsigned length)
         NEEDS_INIT();                                                                      \
         if (!valid(d))                                                                     \
             return NVML_ERROR_INVALID_ARGUMENT;                                            \
+    } while (0)
+
+/* A GPU whose GSP stopped answering: the call never returns. It sleeps, signals left
+ * as they are, so the caller's SIGTERM or SIGKILL ends it. */
+__attribute__((noreturn)) static void block(void)
+{
+    for (;;) {
+        struct timespec pause = {1, 0};
+        nanosleep(&pause, NULL);
+    }
+}
+
+/* What a per-device query answers for a handle before its own answer: its GPU's
+ * query-error for it, or never (hang). A MIG device's handle stands for its GPU. */
+static int query(nvmlDevice_t d, enum query q)
+{
+    nvmlDevice_t gpu = d->is_mig ? d->parent : d;
+    if (gpu->query_hang[q])
+        block();
+    return gpu->query_error[q];
+}
+
+#define QUERY(d, q)                                                                        \
+    do {                                                                                   \
+        int query_ret = query(d, q);                                                       \
+        if (query_ret != NVML_SUCCESS)                                                     \
+            return query_ret;                                                              \
     } while (0)
 
 /* ---------------------------------------------------------------- init, shutdown */
@@ -594,6 +753,18 @@ NVML_API int nvmlDeviceGetCount_v2(unsigned int *count)
 
 NVML_API int nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
 
+/* What GPU g's lookups meet: HANG for a GPU that blocks them, else its error (0: none). */
+#define HANG (-1)
+static int fault(unsigned g) { return gpus[g].hang ? HANG : gpus[g].error; }
+
+/* A lookup's answer: HANG blocks it. */
+static int answer(int ret)
+{
+    if (ret == HANG)
+        block();
+    return ret;
+}
+
 /* The code every lookup answers in walk and any: the first GPU's with 8 or 11 (the
  * header's "any attached devices"); 0 where none has one or in target. */
 static int machine_error(void)
@@ -601,17 +772,18 @@ static int machine_error(void)
     if (reading == READ_TARGET)
         return NVML_SUCCESS;
     for (unsigned g = 0; g < gpu_count; g++) {
-        if (gpus[g].error == NVML_ERROR_INSUFFICIENT_POWER || gpus[g].error == NVML_ERROR_IRQ_ISSUE)
-            return gpus[g].error;
+        if (fault(g) == NVML_ERROR_INSUFFICIENT_POWER || fault(g) == NVML_ERROR_IRQ_ISSUE)
+            return fault(g);
     }
     return NVML_SUCCESS;
 }
 
-/* What a lookup of GPU g by index or by PCI bus id answers (see the top's table). */
+/* What a lookup of GPU g by index or by PCI bus id answers (see the top's table);
+ * blocks for a GPU that hangs. */
 static int target_error(unsigned g)
 {
     int ret = machine_error();
-    return ret != NVML_SUCCESS ? ret : gpus[g].error;
+    return answer(ret != NVML_SUCCESS ? ret : fault(g));
 }
 
 NVML_API int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
@@ -653,19 +825,19 @@ NVML_API int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
         return ret;
     if (reading == READ_ANY) {
         for (unsigned g = 0; g < gpu_count; g++) {
-            if (gpus[g].error != NVML_SUCCESS)
-                return gpus[g].error;
+            if (fault(g) != NVML_SUCCESS)
+                return answer(fault(g));
         }
     }
     /* walk: the search initialises GPUs in index order and stops at the first that
      * fails, before it could reach a target further on. */
     for (unsigned g = 0; g < gpu_count; g++) {
-        if (reading == READ_WALK && gpus[g].error != NVML_SUCCESS)
-            return gpus[g].error;
+        if (reading == READ_WALK && fault(g) != NVML_SUCCESS)
+            return answer(fault(g));
         nvmlDevice_t found = uuid_on(g, uuid);
         if (found != NULL) {
-            if (gpus[g].error != NVML_SUCCESS)
-                return gpus[g].error;
+            if (fault(g) != NVML_SUCCESS)
+                return answer(fault(g));
             *device = found;
             return NVML_SUCCESS;
         }
@@ -694,8 +866,8 @@ NVML_API int nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t
     for (unsigned g = 0; g < gpu_count; g++) {
         nvmlDevice_t gpu = &gpus[g];
         if (gpu->domain == dom && gpu->busnum == bus && gpu->devnum == dev && gpu->func == fn) {
-            if (gpu->error != NVML_SUCCESS)
-                return gpu->error;
+            if (fault(g) != NVML_SUCCESS)
+                return answer(fault(g));
             *device = gpu;
             return NVML_SUCCESS;
         }
@@ -713,12 +885,18 @@ NVML_API int nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *d
 NVML_API int nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     NEEDS_DEVICE(device);
+    if (uuid == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_UUID);
     return copy_out(device->uuid, uuid, length);
 }
 
 NVML_API int nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     NEEDS_DEVICE(device);
+    if (name == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_NAME);
     return copy_out(device->name, name, length);
 }
 
@@ -727,6 +905,7 @@ NVML_API int nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
     NEEDS_DEVICE(device);
     if (minor == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_MINOR);
     if (device->is_mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *minor = device->minor;
@@ -738,6 +917,7 @@ NVML_API int nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
     NEEDS_DEVICE(device);
     if (index == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_INDEX);
     *index = device->index;
     return NVML_SUCCESS;
 }
@@ -764,6 +944,7 @@ NVML_API int nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
     NEEDS_DEVICE(device);
     if (pci == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_PCI);
     memset(pci, 0, sizeof *pci);
     pci_fields(device, pci->busIdLegacy, sizeof pci->busIdLegacy, pci->busId, sizeof pci->busId,
                &pci->domain, &pci->bus, &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
@@ -780,6 +961,7 @@ NVML_API int nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *pci)
     NEEDS_DEVICE(device);
     if (pci == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_PCI);
     memset(pci, 0, sizeof *pci);
     pci_fields(device, pci->busId, sizeof pci->busId, NULL, 0, &pci->domain, &pci->bus,
                &pci->device, &pci->pciDeviceId, &pci->pciSubSystemId);
@@ -791,6 +973,7 @@ NVML_API int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
     NEEDS_DEVICE(device);
     if (memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_MEMORY);
     memory->total = device->is_mig ? 10 * GIB : 80 * GIB;
     memory->used = 1 * GIB / 2;
     memory->free = memory->total - memory->used;
@@ -802,6 +985,7 @@ NVML_API int nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttribute
     NEEDS_DEVICE(device);
     if (attributes == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_ATTRIBUTES);
     memset(attributes, 0, sizeof *attributes);
     unsigned slices = device->is_mig ? gi_slices(device->gi_profile) : 7;
     if (slices == 0)
@@ -828,6 +1012,7 @@ NVML_API int nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, un
     NEEDS_DEVICE(device);
     if (current == NULL || pending == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_MIG_MODE);
     if (device->is_mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *current = *pending = device->mig_enabled ? 1 : 0;
@@ -839,6 +1024,7 @@ NVML_API int nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *c
     NEEDS_DEVICE(device);
     if (count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_MAX_MIG);
     if (device->is_mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *count = MAX_MIG;
@@ -851,6 +1037,7 @@ NVML_API int nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
     NEEDS_DEVICE(device);
     if (mig == NULL || device->is_mig || index >= MAX_MIG)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_MIG_BY_INDEX);
     nvmlDevice_t found = &migs[gpu_slot(device)][index];
     if (!device->mig_enabled || !found->present)
         return NVML_ERROR_NOT_FOUND;
@@ -863,6 +1050,7 @@ NVML_API int nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMi
     NEEDS_DEVICE(device);
     if (isMigDevice == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_IS_MIG);
     *isMigDevice = device->is_mig ? 1 : 0;
     return NVML_SUCCESS;
 }
@@ -872,6 +1060,7 @@ NVML_API int nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mig, nvml
     NEEDS_DEVICE(mig);
     if (device == NULL || !mig->is_mig)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(mig, Q_PARENT);
     *device = mig->parent;
     return NVML_SUCCESS;
 }
@@ -881,6 +1070,7 @@ NVML_API int nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
     NEEDS_DEVICE(device);
     if (id == NULL || !device->is_mig)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_GI_ID);
     *id = device->gi;
     return NVML_SUCCESS;
 }
@@ -890,6 +1080,7 @@ NVML_API int nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *i
     NEEDS_DEVICE(device);
     if (id == NULL || !device->is_mig)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_CI_ID);
     *id = device->ci;
     return NVML_SUCCESS;
 }
@@ -1024,6 +1215,7 @@ NVML_API int nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
     NEEDS_DEVICE(device);
     if (major == NULL || minor == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
+    QUERY(device, Q_CUDA_CC);
     *major = 9; /* H100: sm_90 */
     *minor = 0;
     return NVML_SUCCESS;

@@ -7,15 +7,19 @@ changes what its GPUs say.
 
 The simulated NVML reads, for each GPU, the module's own
 ``proc/driver/nvidia/gpus/<bus id>/information`` and, beside it, a ``simulated-nvml``
-file of its own state (``error <code>``, ``lost``, ``mig``, ``mig-device ...``), and the
-machine-wide ``proc/driver/nvidia/simulated-nvml-reading`` (``target``, ``walk``,
-``any``: how strictly it reads NVML's header on which lookups a GPU's error fails; the
-table is in tests/simnvml.c), all read again at NVML's first init; and an
-``xid-events`` file per GPU (:func:`deliver_xid`), read again at every event wait. In a
-container the library reads these from :data:`STATE_DIR` when it exists (a test
-bind-mounts the machine's ``proc/driver`` there; tests/simnvml.c says why).
+file of its own state (``error <code>``, ``lost``, ``hang``, ``hang <function>``,
+``query-error <function> <code>``, ``mig``, ``mig-device ...``), and the machine-wide
+``proc/driver/nvidia/simulated-nvml-reading`` (``target``, ``walk``, ``any``: how
+strictly it reads NVML's header on which lookups a GPU's error fails; the table is in
+tests/simnvml.c) and ``proc/driver/nvidia/simulated-nvml-devices`` (``skip``, ``deny``:
+what it does with a GPU whose /dev/nvidia<minor> is missing, as in a container CDI gave
+other GPUs), all read again at NVML's first init; and an ``xid-events`` file per GPU
+(:func:`deliver_xid`), read again at every event wait. In a container the library reads
+these from :data:`STATE_DIR` when it exists (a test bind-mounts the machine's
+``proc/driver`` there; tests/simnvml.c says why).
 ``SimMachine.nvml_gpus`` stays the GPUs' uuids in NVML index order (bus id order,
-excluded GPUs left out) after every change made here; where a test moves a GPU's bus id
+excluded GPUs left out, and, under the ``skip`` devices reading, GPUs without a node in
+the machine's own dev/) after every change made here; where a test moves a GPU's bus id
 (:func:`move_gpu_bus`), index and minor differ and :func:`gpu_bus_id` no longer names
 its bus: ask :func:`bus_of` and :func:`nvml_index`."""
 
@@ -34,6 +38,18 @@ if TYPE_CHECKING:
 GPUS_DIR = Path("proc/driver/nvidia/gpus")
 READING_FILE = Path("proc/driver/nvidia/simulated-nvml-reading")
 READINGS = ("target", "walk", "any")
+DEVICES_FILE = Path("proc/driver/nvidia/simulated-nvml-devices")
+DEVICES_READINGS = ("skip", "deny")
+# The per-device queries a GPU's state can fail (fail_query) or block (hang_gpu), by the
+# names tests/simnvml.c reads (a versioned entry point answers as its base name).
+QUERIES = (
+    "nvmlDeviceGetUUID", "nvmlDeviceGetMinorNumber", "nvmlDeviceGetPciInfo",
+    "nvmlDeviceGetMigMode", "nvmlDeviceGetName", "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetAttributes",
+    "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle", "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId", "nvmlDeviceGetIndex", "nvmlDeviceIsMigDeviceHandle",
+)
 # What NVML's lookups may answer for one GPU (nvml.h): No Permission, Insufficient
 # (external) Power, IRQ Issue, GPU is lost, Unknown.
 ERROR_CODES = (4, 8, 11, 15, 999)
@@ -150,15 +166,28 @@ def _information(path: Path) -> dict[str, str]:
 
 
 def _reorder(m: SimMachine) -> None:
-    """``m.nvml_gpus`` from the information files, as tests/simnvml.c enumerates them:
-    bus id order, excluded GPUs left out."""
+    """``m.nvml_gpus`` from the information files, as tests/simnvml.c enumerates them
+    from the machine itself: bus id order, excluded GPUs left out, and under the ``skip``
+    devices reading GPUs whose dev/nvidia<minor> under the machine's root is not a
+    character device."""
     top = m.root / GPUS_DIR
+    skip = _devices_reading(m) == "skip"
     uuids = []
     for info in sorted(top.glob("*/information")):
         fields = _information(info)
-        if fields.get("GPU Excluded", "").lower() != "yes":
-            uuids.append(fields.get("GPU UUID", ""))
+        if fields.get("GPU Excluded", "").lower() == "yes":
+            continue
+        if skip and not (m.root / "dev" / f"nvidia{fields.get('Device Minor')}").is_char_device():
+            continue
+        uuids.append(fields.get("GPU UUID", ""))
     m.nvml_gpus[:] = uuids
+
+
+def _devices_reading(m: SimMachine) -> str | None:
+    try:
+        return (m.root / DEVICES_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def bus_of(m: SimMachine, minor: int) -> str:
@@ -202,6 +231,41 @@ def _is_error(line: str) -> bool:
     return line == "lost" or line.startswith("error ")
 
 
+def _is_fault(line: str) -> bool:
+    """A line of a GPU's state that fails or blocks its lookups or queries."""
+    return _is_error(line) or line == "hang" or line.startswith(("hang ", "query-error "))
+
+
+def fail_query(m: SimMachine, minor: int, function: str, code: int) -> None:
+    """``function`` (one of QUERIES: nvmlDeviceGetPciInfo stands for its _v2 and _v3 too),
+    called with the handle of the GPU at /dev/nvidia<minor> or of one of its MIG devices,
+    answers ``code`` (> 0, e.g. 999 Unknown Error) after its argument checks; its handle
+    lookups and every other query answer as before. Replaces an earlier code for the same
+    function; seen at NVML's next first init."""
+    if function not in QUERIES:
+        raise ValueError(f"{function!r}: the simulated NVML fails one of {QUERIES}")
+    if code <= 0:
+        raise ValueError(f"NVML code {code}: a failing query answers a code > 0")
+    lines = [line for line in _state_lines(m, minor)
+             if line.split()[:2] != ["query-error", function]]
+    _write_state(m, minor, [*lines, f"query-error {function} {code}"])
+
+
+def hang_gpu(m: SimMachine, minor: int, function: str | None = None) -> None:
+    """The GPU at /dev/nvidia<minor> stops answering (its GSP, say): without
+    ``function``, getting its handle blocks, never returning, for the lookups an error
+    of its would fail in the machine's reading (:func:`set_reading`; under ``any`` every
+    lookup by UUID); with ``function`` (one of QUERIES), only that query blocks, called
+    with its handle or one of its MIG devices'. The caller must be killed. Seen at NVML's
+    next first init; :func:`recover_gpu` ends it."""
+    if function is not None and function not in QUERIES:
+        raise ValueError(f"{function!r}: the simulated NVML blocks one of {QUERIES}")
+    line = "hang" if function is None else f"hang {function}"
+    lines = _state_lines(m, minor)
+    if line not in lines:
+        _write_state(m, minor, [*lines, line])
+
+
 def lose_gpu(m: SimMachine, minor: int) -> None:
     """The GPU at /dev/nvidia<minor> falls off the bus (Xid 79): NVML answers 15, GPU is
     lost, for its handle (and, in the ``walk`` and ``any`` readings, for other lookups
@@ -211,9 +275,36 @@ def lose_gpu(m: SimMachine, minor: int) -> None:
 
 
 def recover_gpu(m: SimMachine, minor: int) -> None:
-    """The GPU at /dev/nvidia<minor> is back (reset): whatever error it had, NVML answers
-    for it again."""
-    _write_state(m, minor, [line for line in _state_lines(m, minor) if not _is_error(line)])
+    """The GPU at /dev/nvidia<minor> is back (reset): whatever error it had, failing
+    queries, a hang, NVML answers for it again."""
+    _write_state(m, minor, [line for line in _state_lines(m, minor) if not _is_fault(line)])
+
+
+def set_devices_reading(m: SimMachine, word: str | None) -> None:
+    """What the machine's NVML does with a GPU whose dev/nvidia<minor> is not a character
+    device (one of DEVICES_READINGS; None: device nodes are not looked at, the default):
+    ``skip``, it is not enumerated (count and indices skip it, as for an excluded GPU);
+    ``deny``, it is counted and its lookups answer 4, No Permission, as ``error 4`` would
+    in the machine's reading. The library looks in its caller's /dev when P is "" (a
+    container's own, CDI-injected nodes), so under ``skip`` a container's NVML may list
+    fewer GPUs than ``m.nvml_gpus``, which follows the machine's own dev/. Read at the
+    next first init."""
+    path = m.root / DEVICES_FILE
+    if word is None:
+        path.unlink(missing_ok=True)
+    elif word not in DEVICES_READINGS:
+        raise ValueError(f"devices reading {word!r}: the simulated NVML knows {DEVICES_READINGS}")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{word}\n")
+    _reorder(m)
+
+
+def remove_gpu_node(m: SimMachine, minor: int) -> None:
+    """The machine's dev/nvidia<minor> goes (its GPU's information file stays): what NVML
+    then does with the GPU is the devices reading's (:func:`set_devices_reading`)."""
+    _remove_device(m, f"nvidia{minor}")
+    _reorder(m)
 
 
 XID_EVENTS = "xid-events"  # beside each information file (tests/simnvml.c)

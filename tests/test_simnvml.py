@@ -7,14 +7,17 @@ load the library with ctypes, as go-nvml calls it, and pin, per reading and per 
 which lookups fail with which code; then they run nvidia-ctk (the stand-in, and NVIDIA's
 real one in real-tool mode) to show what each reading does to a generate that asks for a
 healthy GPU by UUID. Also: host-excluded GPUs are not enumerated, and NVML's index order
-is bus order, not minor order.
+is bus order, not minor order; a GPU's queries fail one by one (query-error), its lookups
+or one query block (hang), and a GPU whose device node is missing is skipped or denied.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ import pytest
 
 from test_fake_nvidia_ctk import TOOLS, clean_env, last_error, load
 
+import elfbuild
 import simgpu
 import simnvml
 from conftest import needs_root
@@ -475,6 +479,298 @@ def test_registering_a_failing_gpu_answers_as_the_reading_says(
             for gpu in handles] == expected
 
 
+# ------------------------------------------------- failing queries, blocking calls
+
+NO_PERMISSION, INVALID = 4, 2
+
+
+def _text_out(name: str) -> Any:
+    def call(lib: Any, device: ctypes.c_void_p) -> int:
+        buf = ctypes.create_string_buffer(96)
+        return int(getattr(lib, name)(device, buf, 96))
+    return call
+
+
+def _uint_out(name: str) -> Any:
+    def call(lib: Any, device: ctypes.c_void_p) -> int:
+        return int(getattr(lib, name)(device, ctypes.byref(ctypes.c_uint())))
+    return call
+
+
+def _struct_out(name: str, size: int = 128) -> Any:
+    def call(lib: Any, device: ctypes.c_void_p) -> int:
+        return int(getattr(lib, name)(device, ctypes.create_string_buffer(size)))
+    return call
+
+
+def _mig_mode(lib: Any, device: ctypes.c_void_p) -> int:
+    return int(lib.nvmlDeviceGetMigMode(device, ctypes.byref(ctypes.c_uint()),
+                                        ctypes.byref(ctypes.c_uint())))
+
+
+def _compute_capability(lib: Any, device: ctypes.c_void_p) -> int:
+    return int(lib.nvmlDeviceGetCudaComputeCapability(device, ctypes.byref(ctypes.c_int()),
+                                                      ctypes.byref(ctypes.c_int())))
+
+
+def _mig_by_index(lib: Any, device: ctypes.c_void_p) -> int:
+    return int(lib.nvmlDeviceGetMigDeviceHandleByIndex(device, 0, ctypes.byref(ctypes.c_void_p())))
+
+
+def _parent(lib: Any, device: ctypes.c_void_p) -> int:
+    return int(lib.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+        device, ctypes.byref(ctypes.c_void_p())))
+
+
+# Every entry point of each query a GPU's state can fail, and how to call it with a handle.
+ENTRY_POINTS: dict[str, dict[str, Any]] = {
+    "nvmlDeviceGetUUID": {"nvmlDeviceGetUUID": _text_out("nvmlDeviceGetUUID")},
+    "nvmlDeviceGetName": {"nvmlDeviceGetName": _text_out("nvmlDeviceGetName")},
+    "nvmlDeviceGetMinorNumber": {"nvmlDeviceGetMinorNumber":
+                                 _uint_out("nvmlDeviceGetMinorNumber")},
+    "nvmlDeviceGetIndex": {"nvmlDeviceGetIndex": _uint_out("nvmlDeviceGetIndex")},
+    "nvmlDeviceGetPciInfo": {name: _struct_out(name) for name in (
+        "nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo_v3")},
+    "nvmlDeviceGetMemoryInfo": {"nvmlDeviceGetMemoryInfo":
+                                _struct_out("nvmlDeviceGetMemoryInfo")},
+    "nvmlDeviceGetAttributes": {name: _struct_out(name) for name in (
+        "nvmlDeviceGetAttributes", "nvmlDeviceGetAttributes_v2")},
+    "nvmlDeviceGetCudaComputeCapability": {"nvmlDeviceGetCudaComputeCapability":
+                                           _compute_capability},
+    "nvmlDeviceGetMigMode": {"nvmlDeviceGetMigMode": _mig_mode},
+    "nvmlDeviceGetMaxMigDeviceCount": {"nvmlDeviceGetMaxMigDeviceCount":
+                                       _uint_out("nvmlDeviceGetMaxMigDeviceCount")},
+    "nvmlDeviceGetMigDeviceHandleByIndex": {"nvmlDeviceGetMigDeviceHandleByIndex":
+                                            _mig_by_index},
+    "nvmlDeviceIsMigDeviceHandle": {"nvmlDeviceIsMigDeviceHandle":
+                                    _uint_out("nvmlDeviceIsMigDeviceHandle")},
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": {
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": _parent},
+    "nvmlDeviceGetGpuInstanceId": {"nvmlDeviceGetGpuInstanceId":
+                                   _uint_out("nvmlDeviceGetGpuInstanceId")},
+    "nvmlDeviceGetComputeInstanceId": {"nvmlDeviceGetComputeInstanceId":
+                                       _uint_out("nvmlDeviceGetComputeInstanceId")},
+}
+
+
+def test_the_queries_named_are_the_librarys() -> None:
+    """simnvml.QUERIES, the calls above and tests/simnvml.c's query_names are one list."""
+    source = elfbuild.nvml_source()
+    table = source.split("query_names[QUERIES] = {", 1)[1].split("};", 1)[0]
+    assert re.findall(r'"(\w+)"', table) == list(simnvml.QUERIES)
+    assert sorted(ENTRY_POINTS) == sorted(simnvml.QUERIES)
+
+
+def _all_answers(nvml: Nvml, migs: dict[int, str]) -> dict[tuple[int, str, str], int]:
+    """(GPU index, "gpu" or "mig", entry point) -> what it answers, for every GPU's handle
+    and the handle of its MIG device in ``migs`` (index -> MIG UUID; got by UUID)."""
+    answers = {}
+    for index in range(nvml.count()):
+        devices = {"gpu": handle(nvml, index)}
+        if index in migs:
+            mig = ctypes.c_void_p()
+            assert nvml.lib.nvmlDeviceGetHandleByUUID(migs[index].encode(),
+                                                      ctypes.byref(mig)) == SUCCESS
+            devices["mig"] = mig
+        for kind, device in devices.items():
+            for entries in ENTRY_POINTS.values():
+                for name, call in entries.items():
+                    answers[index, kind, name] = call(nvml.lib, device)
+    return answers
+
+
+def test_a_query_error_fails_that_query_of_that_gpu_alone(machine: simgpu.SimMachine) -> None:
+    """``query-error <function> <code>`` on GPU 2 (MIG on, as GPU 1): each entry point
+    of that function (PciInfo's v1, v2 and v3, Attributes' two) answers the code for GPU
+    2's handle and its MIG device's, where the healthy answer was not an argument error
+    (2, e.g. a GPU instance id of a full GPU); every other function, every other GPU,
+    answers as before, and GPU 2's handles are still got by index, UUID and bus id. Two
+    lines fail two functions; a function name, or a line, the library does not know
+    fails init with 999."""
+    m = machine
+    migs = {minor: simnvml.enable_mig(m, minor, MIG_PLACEMENT)[0] for minor in (1, FAILING)}
+    nvml = Nvml(m)
+    healthy = _all_answers(nvml, migs)
+    assert {key[1] for key in healthy if key[0] in (1, FAILING)} == {"gpu", "mig"}
+    assert healthy[FAILING, "gpu", "nvmlDeviceGetMigMode"] == SUCCESS
+    assert healthy[FAILING, "mig", "nvmlDeviceGetGpuInstanceId"] == SUCCESS
+    for function, code in zip(simnvml.QUERIES, [999, 15, 4] * 5, strict=True):
+        simnvml.fail_query(m, FAILING, function, code)
+        nvml.restart()
+        expected = {key: code if key[0] == FAILING and key[2] in ENTRY_POINTS[function]
+                    and answer != INVALID else answer for key, answer in healthy.items()}
+        assert _all_answers(nvml, migs) == expected, function
+        assert expected != healthy, function
+        assert nvml.by_index(FAILING) == SUCCESS
+        assert nvml.by_uuid(m.nvml_gpus[FAILING]) == SUCCESS
+        assert nvml.by_bus(nvml_bus(m, FAILING)) == SUCCESS
+        simnvml.recover_gpu(m, FAILING)
+    simnvml.fail_query(m, FAILING, "nvmlDeviceGetUUID", 999)
+    simnvml.fail_query(m, FAILING, "nvmlDeviceGetName", 15)
+    simnvml.fail_query(m, FAILING, "nvmlDeviceGetUUID", 4)  # replaces the 999
+    nvml.restart()
+    answers = _all_answers(nvml, migs)
+    assert (answers[FAILING, "gpu", "nvmlDeviceGetUUID"],
+            answers[FAILING, "gpu", "nvmlDeviceGetName"]) == (4, 15)
+    simnvml.recover_gpu(m, FAILING)
+    nvml.restart()
+    assert _all_answers(nvml, migs) == healthy
+    assert nvml.lib.nvmlShutdown() == SUCCESS
+    state = simnvml._gpu_dir(m, FAILING) / simnvml.SIM_STATE
+    before = state.read_text()
+    for line in ("query-error nvmlDeviceGetUUId 999", "query-error nvmlDeviceGetUUID",
+                 "query-error nvmlDeviceGetUUID 0", "query-error nvmlDeviceGetUUID 9 9",
+                 "hang nvmlDeviceGetPciInfo_v3", "hang nvmlDeviceGetUUID now"):
+        state.write_text(f"{before}{line}\n")
+        assert nvml.lib.nvmlInit_v2() == UNKNOWN, line
+    state.write_text(before)
+    assert nvml.lib.nvmlInit_v2() == SUCCESS
+    for bad in (("nvmlDeviceGetPciInfo_v3", 999), ("nvmlDeviceGetUUID", 0)):
+        with pytest.raises(ValueError):
+            simnvml.fail_query(m, FAILING, *bad)
+    with pytest.raises(ValueError):
+        simnvml.hang_gpu(m, FAILING, "nvmlDeviceGetHandleByIndex")
+
+
+_CALLS = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.nvmlInit_v2() == 0
+def call(op):
+    kind, _, arg = op.partition(":")
+    h = ctypes.c_void_p()
+    if kind == "index":
+        return lib.nvmlDeviceGetHandleByIndex_v2(int(arg), ctypes.byref(h))
+    if kind == "uuid":
+        return lib.nvmlDeviceGetHandleByUUID(arg.encode(), ctypes.byref(h))
+    if kind == "bus":
+        return lib.nvmlDeviceGetHandleByPciBusId_v2(arg.encode(), ctypes.byref(h))
+    assert lib.nvmlDeviceGetHandleByIndex_v2(int(arg), ctypes.byref(h)) == 0
+    if kind == "migmode":
+        u = ctypes.c_uint()
+        return lib.nvmlDeviceGetMigMode(h, ctypes.byref(u), ctypes.byref(u))
+    assert kind == "uuidof", op
+    return lib.nvmlDeviceGetUUID(h, ctypes.create_string_buffer(96), 96)
+for op in sys.argv[2:]:
+    print("calling", op, flush=True)
+    print(json.dumps(call(op)), flush=True)
+"""
+BLOCKED_FOR = 1.0  # seconds a call that blocks must not have returned in
+
+
+def calls(m: simgpu.SimMachine, ops: list[str], blocks: str | None = None,
+          end: signal.Signals = signal.SIGKILL) -> list[int]:
+    """The answers of NVML calls made in order in a fresh process (``index:<i>``,
+    ``uuid:<u>``, ``bus:<b>`` lookups; ``uuidof``, ``migmode`` of the GPU at index
+    ``:<i>``). ``blocks``: a last call that must not return within
+    BLOCKED_FOR seconds; the process is then ended with ``end`` and must die of it."""
+    argv = [sys.executable, "-c", _CALLS, str(m.lib_dir / "libnvidia-ml.so.1"), *ops]
+    with subprocess.Popen([*argv, *([blocks] if blocks else [])], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        watchdog = threading.Timer(30, proc.kill)  # a call that blocks where it must not
+        watchdog.start()
+        try:
+            answers = []
+            for op in ops:
+                assert proc.stdout.readline() == f"calling {op}\n", (op, proc.stderr.read())
+                answers.append(int(proc.stdout.readline()))
+            if blocks is None:
+                assert proc.wait() == 0, proc.stderr.read()
+                return answers
+            assert proc.stdout.readline() == f"calling {blocks}\n", proc.stderr.read()
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=BLOCKED_FOR)
+            proc.send_signal(end)
+            assert proc.wait(timeout=10) == -end
+            return answers
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_hanging_gpus_lookups_block_where_its_error_would_fail_them(
+        machine: simgpu.SimMachine) -> None:
+    """``hang`` on GPU 2 blocks a call that nothing but a signal ends (SIGTERM here, as
+    SIGKILL elsewhere): in target a lookup of GPU 2 by index, by bus id and by UUID; the
+    other GPUs answer. In walk a lookup by UUID of GPU 3 (the search meets GPU 2) blocks,
+    GPU 1's does not; in any a lookup by UUID of GPU 0 blocks too. The count keeps it;
+    recovered, it answers."""
+    m = machine
+    simnvml.hang_gpu(m, FAILING)
+    uuids = m.nvml_gpus
+    others = [f"index:{i}" for i in (0, 1, 3)] + [f"uuid:{uuids[i]}" for i in (0, 1, 3)]
+    assert calls(m, others, blocks=f"index:{FAILING}", end=signal.SIGTERM) == [SUCCESS] * 6
+    assert calls(m, [], blocks=f"bus:{nvml_bus(m, FAILING)}") == []
+    assert calls(m, [], blocks=f"uuid:{uuids[FAILING]}") == []
+    assert Nvml(m).count() == 4
+    simnvml.set_reading(m, "walk")
+    assert calls(m, [f"uuid:{uuids[1]}", "index:3"], blocks=f"uuid:{uuids[3]}") == [0, 0]
+    simnvml.set_reading(m, "any")
+    assert calls(m, ["index:0", f"bus:{nvml_bus(m, 0)}"], blocks=f"uuid:{uuids[0]}") == [0, 0]
+    simnvml.recover_gpu(m, FAILING)
+    assert calls(m, [f"uuid:{u}" for u in uuids] + [f"index:{FAILING}"]) == [SUCCESS] * 5
+
+
+def test_a_hanging_query_blocks_that_query_alone(machine: simgpu.SimMachine) -> None:
+    """``hang nvmlDeviceGetMigMode`` on GPU 2: its handle is got by index and UUID, its
+    UUID read, but its MIG mode blocks; GPU 1's MIG mode answers."""
+    m = machine
+    simnvml.hang_gpu(m, FAILING, "nvmlDeviceGetMigMode")
+    ops = [f"index:{FAILING}", f"uuid:{m.nvml_gpus[FAILING]}", f"uuidof:{FAILING}", "migmode:1"]
+    assert calls(m, ops, blocks=f"migmode:{FAILING}") == [SUCCESS] * 4
+    simnvml.recover_gpu(m, FAILING)
+    assert simnvml._state_lines(m, FAILING) == []
+    assert calls(m, [f"migmode:{FAILING}"]) == [SUCCESS]
+
+
+@pytest.mark.parametrize("reading", simnvml.READINGS)
+def test_a_gpu_without_its_device_node_is_skipped_or_denied(machine: simgpu.SimMachine,
+                                                            reading: str) -> None:
+    """dev/nvidia2 removed. No devices reading: NVML does not look, all four answer.
+    ``skip``: three GPUs (minors 0, 1, 3), GPU 2's UUID and bus id not found, nvml_gpus
+    follows. ``deny``: four, GPU 2's lookups answer 4 as an ``error 4`` would in the
+    reading (any: every lookup by UUID; walk: from GPU 2 on), even for a GPU that would
+    hang. A word the library does not know fails init (999)."""
+    m = machine
+    simnvml.set_reading(m, reading)
+    all_uuids = m.nvml_gpus[:]
+    simnvml.remove_gpu_node(m, FAILING)
+    assert m.nvml_gpus == all_uuids
+    nvml = Nvml(m)
+    assert nvml.count() == 4
+    assert [nvml.by_uuid(u) for u in all_uuids] == [SUCCESS] * 4
+
+    simnvml.set_devices_reading(m, "skip")
+    assert m.nvml_gpus == [u for i, u in enumerate(all_uuids) if i != FAILING]
+    nvml.restart()
+    assert nvml.count() == 3
+    assert [nvml.gpu(i) for i in range(3)] == list(zip(m.nvml_gpus, (0, 1, 3), strict=True))
+    assert nvml.by_uuid(all_uuids[FAILING]) == NOT_FOUND
+    assert nvml.by_bus(nvml_bus(m, FAILING)) == NOT_FOUND
+    assert [simnvml.nvml_index(m, minor) for minor in (0, 1, 3)] == [0, 1, 2]
+
+    simnvml.set_devices_reading(m, "deny")
+    assert m.nvml_gpus == all_uuids
+    nvml.restart()
+    assert nvml.count() == 4
+    by_uuid = {"target": [0, 0, 4, 0], "walk": [0, 0, 4, 4], "any": [4] * 4}[reading]
+    assert [nvml.by_index(i) for i in range(4)] == [0, 0, NO_PERMISSION, 0]
+    assert [nvml.by_uuid(u) for u in all_uuids] == by_uuid
+    assert nvml.by_bus(nvml_bus(m, FAILING)) == NO_PERMISSION
+    simnvml.hang_gpu(m, FAILING)  # a process of its own: were it to block, it is killed
+    assert calls(m, [f"index:{FAILING}", f"uuid:{all_uuids[FAILING]}"]) == [NO_PERMISSION] * 2
+
+    simnvml.set_devices_reading(m, None)
+    simnvml.recover_gpu(m, FAILING)
+    assert nvml.lib.nvmlShutdown() == SUCCESS
+    (m.root / simnvml.DEVICES_FILE).write_text("hide\n")
+    assert nvml.lib.nvmlInit_v2() == UNKNOWN
+    with pytest.raises(ValueError):
+        simnvml.set_devices_reading(m, "hide")
+
+
 # ------------------------------------------------- the state directory, in a namespace
 
 _NVML_PROBE = r"""
@@ -507,7 +803,8 @@ print(json.dumps(out), flush=True)
 """
 
 # A private /run and /dev: the host's stay untouched. $1 the machine's root, $2 "state"
-# to bind its proc/driver at /run/simulated-nvml (read-only), $3 "ctl" for a /dev/nvidiactl
+# to bind its proc/driver at /run/simulated-nvml (read-only), $3 the machine's nodes to
+# copy into that /dev ("-": none; "nvidiactl nvidia0": those two)
 _CONTAINER_SETUP = """set -e
 mount -t tmpfs tmpfs /run
 mount -t tmpfs -o mode=755 tmpfs /dev
@@ -517,7 +814,7 @@ if [ "$2" = state ]; then
     mount --bind "$1/proc/driver" /run/simulated-nvml
     mount -o remount,bind,ro /run/simulated-nvml
 fi
-if [ "$3" = ctl ]; then cp -a "$1/dev/nvidiactl" /dev/nvidiactl; fi
+for node in $3; do [ "$node" = - ] || cp -a "$1/dev/$node" "/dev/$node"; done
 shift 3
 exec "$@"
 """
@@ -537,7 +834,10 @@ def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
     /proc/driver (this host's: no NVIDIA module) and answers 9; with the machine's
     proc/driver bound there read-only it answers for the machine's GPUs, GPU 1 lost, and
     delivers an Xid to GPU 3 from the GPU's xid-events there; without /dev/nvidiactl in
-    the caller's /dev it answers 9 even so."""
+    the caller's /dev it answers 9 even so. The devices reading is read there too and
+    looks at the caller's own /dev: under ``skip`` a container given GPU 0's node alone
+    sees GPU 0 alone (and none without GPU nodes: 9), under ``deny`` four GPUs of which
+    only GPU 0 answers."""
     why = _namespace_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -550,10 +850,12 @@ def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
     probe = tmp_path / "probe.py"
     probe.write_text(_NVML_PROBE)
 
-    def run(state: bool, ctl: bool, xid_to: int | None = None) -> dict[str, Any]:
+    def run(state: bool, ctl: bool, xid_to: int | None = None,
+            gpus: tuple[int, ...] = ()) -> dict[str, Any]:
+        nodes = " ".join([*(["nvidiactl"] if ctl else []), *(f"nvidia{n}" for n in gpus)])
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                 _CONTAINER_SETUP, "setup", str(m.root), "state" if state else "-",
-                "ctl" if ctl else "-", sys.executable, str(probe), str(lib)]
+                nodes or "-", sys.executable, str(probe), str(lib)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) as proc:
             assert proc.stdout is not None
@@ -571,3 +873,13 @@ def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
     assert seen == {"init": 0, "uuids": healthy, "by_index": [0, 15, 0, 0], "wait": 0,
                     "event": [m.nvml_gpus[3], XID_EVENT, 45]}
     assert run(state=True, ctl=False) == {"init": 9}
+    simnvml.set_devices_reading(m, "skip")
+    assert len(m.nvml_gpus) == 4  # the machine's own dev/ has every node
+    assert run(state=True, ctl=True, xid_to=0, gpus=(0,)) == {
+        "init": 0, "uuids": m.nvml_gpus[:1], "by_index": [0], "wait": 0,
+        "event": [m.nvml_gpus[0], XID_EVENT, 45]}
+    assert run(state=True, ctl=True) == {"init": 9}
+    simnvml.set_devices_reading(m, "deny")
+    assert run(state=True, ctl=True, xid_to=0, gpus=(0,)) == {
+        "init": 0, "uuids": m.nvml_gpus[:1], "by_index": [0, 4, 4, 4], "wait": 0,
+        "event": [m.nvml_gpus[0], XID_EVENT, 45]}
