@@ -77,8 +77,8 @@ def parse_check(stdout: str, code: int | None = None,
                 schema_file: Path = SCHEMA_FILE) -> dict[str, Any]:
     """The object `check --json` printed, validated against the schema and against the
     rules the schema cannot state: exit status 0 exactly when ok, 3 when degraded
-    (serving fewer GPUs), else 1; ok exactly when there are no problems and the verdict
-    is ready or no-gpu."""
+    (serving fewer GPUs), 4 when no-usable-gpu, else 1; ok exactly when there are no
+    problems and the verdict is ready or no-gpu."""
     report: dict[str, Any] = json.loads(stdout)
     validate(report, schema_file)
     ok = report["ok"]
@@ -86,7 +86,8 @@ def parse_check(stdout: str, code: int | None = None,
     assert (report["verdict"] in ("ready", "no-gpu")) == ok, report
     assert (report["verdict"] == "no-gpu") == (ok and not report["gpu"]), report
     if code is not None:
-        assert code == (0 if ok else 3 if report["verdict"] == "degraded" else 1), (code, report)
+        assert code == (0 if ok else {"degraded": 3, "no-usable-gpu": 4}.get(
+            report["verdict"], 1)), (code, report)
     return report
 
 

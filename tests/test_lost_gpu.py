@@ -150,11 +150,13 @@ def test_one_lost_gpu_on_a_fresh_boot_degrades_the_node(four: simgpu.SimMachine,
     problem, = report["problems"]
     assert four.nvml_gpus[1] in problem["message"] and "/dev/nvidia1" in problem["message"]
     assert "pods get" not in problem["message"], problem
-    # What NVIDIA's device plugin does there, as measured (tests/test_device_plugin.py)
-    assert "NVIDIA's device plugin (v0.20) exits" in problem["message"], problem
+    # What NVIDIA's device plugin does there is its own, never predicted (issue 35): only
+    # its spec, when it wrote one, is read.
+    assert "device plugin" not in problem["message"], problem
+    assert "nvmlDeviceGetHandleByIndex_v2" in problem["message"], problem
     status = cli(four.root, "status")
     assert "the spec serves 3 of 4 GPUs" in status.stdout, status.stdout
-    assert "Device plugin:  no spec: NVIDIA's device plugin (v0.20) exits" in status.stdout
+    assert "Device plugin:  no spec\n" in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize("code", [999, 4])
@@ -166,7 +168,15 @@ def test_a_gpu_failing_otherwise_degrades_the_node(four: simgpu.SimMachine, cli:
     assert out.code == 0, out.stderr
     assert_serves(four, [0, 1, 3], per_gpu_expected(reading, [0, 1, 3], [2]))
     report = assert_degraded(cli, four, {2: code})
-    assert f"({code}, " in report["problems"][0]["message"], report["problems"]
+    message = report["problems"][0]["message"]
+    assert f"NVML answers {code} (" in message, report["problems"]
+    # No Permission is access in a container, never hardware (issue 35): the machine's
+    # device rules and the node's mode; the others a GPU reset.
+    if code == 4:
+        assert "DeviceAllow=" in message and "re-bind the devices" in message, message
+        assert "power" not in message and "GPU reset" not in message, message
+    else:
+        assert "GPU reset" in message and "DeviceAllow=" not in message, message
 
 
 @pytest.mark.parametrize("code", [8, 11])
@@ -186,7 +196,8 @@ def test_an_error_of_every_attached_gpu_serves_none(four: simgpu.SimMachine, cli
     assert "no-usable-gpu" in codes(report) and codes(report) <= {
         "no-usable-gpu", "gpu-unusable"}, report["problems"]
     assert report["gpus"]["node_error"] == code and report["gpus"]["served"] == 0
-    assert cli(four.root, "check").code == 1
+    # Its own exit status (issue 35): not 1, which a host agent answers with a restart.
+    assert cli(four.root, "check").code == 4
 
 
 def test_a_ready_node_that_loses_a_gpu_and_restarts_degrades(four: simgpu.SimMachine,
@@ -492,12 +503,13 @@ def test_the_drift_checks_reloads_back_off() -> None:
     doubling up to an hour while the kernel shows no change; a change asks at once."""
     from unbounded_nvidia_setup import outcome
     from unbounded_nvidia_setup.drift import reload_due
+    from unbounded_nvidia_setup.gpus import Gpu, NodeGpus
 
-    lost = (outcome.UnusableGpu(1, 15, "/dev/nvidia1"),)
+    lost = [Gpu(1, minor=1, code=15)]
 
     def record(attempts: int) -> outcome.Outcome:
         return outcome.Outcome("run", 0, 1000.0, None,
-                               outcome.Gpus(lost, kernel="4-aaaa", attempts=attempts))
+                               NodeGpus(lost, kernel="4-aaaa", attempts=attempts))
 
     assert reload_due(record(0), 1000.0, "4-aaaa")
     assert not reload_due(record(1), 1000.0 + 299, "4-aaaa")
@@ -509,7 +521,7 @@ def test_the_drift_checks_reloads_back_off() -> None:
     assert reload_due(record(20), 1001.0, "4-bbbb")
     healthy = outcome.Outcome("run", 0, 1000.0)
     assert not reload_due(healthy, 99999.0, "4-bbbb")
-    failed = outcome.Outcome("run", 1, 1000.0, "x", outcome.Gpus(lost))
+    failed = outcome.Outcome("run", 1, 1000.0, "x", NodeGpus(lost))
     assert not reload_due(failed, 99999.0, "4-bbbb")
 
 

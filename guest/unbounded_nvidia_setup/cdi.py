@@ -16,7 +16,7 @@ from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems
 
 if TYPE_CHECKING:
-    from .gpus import Assessment
+    from .gpus import NodeGpus
 from .tree import remove_tree
 
 # Hooks a GPU pod needs from this root; the rest (cuda-compat, chmod, …) change container
@@ -55,17 +55,22 @@ def generate_argv(machine: Machine, ctk: Ctk, output: Path,
 
 
 # nvidia-ctk 1.20's NVML mode when NVML cannot use a GPU (FACTS.md): the enumeration of
-# `all` stops at the first GPU whose handle fails ("error getting device handle for index
-# 'N': GPU is lost"), a `--device-id` looked up by UUID fails with "failed to get device
-# handle from UUID: ...". Only such a failure makes the run ask NVML itself (nvml.py).
-_DEVICE_FAILURES = ("device handle", "GPU is lost", "Unknown Error", "Insufficient Permissions",
-                    "Insufficient External Power", "Interrupt Request Issue")
+# `all` stops at the first GPU any per-device call fails for ("error getting device
+# handle for index 'N': GPU is lost", "error getting MIG mode: Unknown Error"), a
+# `--device-id` looked up by UUID fails with "failed to get device handle from UUID:
+# ...". Its words are NVML's own texts (gpus.FAILURE_WORDS). Only such a failure, or a
+# generate that did not finish, makes the run ask NVML itself (nvml.py).
 _CHOOSING_FLAGS = ("--device-id", "--device-ids", "--device", "--devices", "--mode")
 
 
 def device_failure(result: Result) -> bool:
-    """nvidia-ctk failed on a GPU's NVML handle, not on the root or its own flags."""
-    return not result.ok and any(word in result.stderr for word in _DEVICE_FAILURES)
+    """nvidia-ctk failed on a GPU, or did not finish (a GPU's NVML calls may block), not
+    on the root or its own flags."""
+    from .gpus import FAILURE_WORDS
+
+    if result.timed_out is not None:
+        return True
+    return not result.ok and any(word in result.stderr for word in FAILURE_WORDS)
 
 
 def chooses_devices(args: tuple[str, ...]) -> bool:
@@ -102,27 +107,29 @@ class Generator:
         self.running: list[Started] = []
         self.early: Started | None = None
         # The node's GPUs as NVML answered by index, when a GPU failed the generate
-        # (_degrade); None on a healthy node. `narrow_to`: the device nodes management
-        # mode's spec is cut down to (narrow.py), when the spec came from it.
-        self.assessment: Assessment | None = None
-        self.narrow_to: tuple[set[int], set[int]] | None = None
+        # (degrade.py); None on a healthy node.
+        self.gpus: NodeGpus | None = None
         if machine.driver_root.is_dir() and not machine.driver_root.is_symlink():
             self.early = self.generate()
 
-    def _start(self, argv: list[str]) -> Started:
+    def _start(self, argv: list[str], own: float | None = None) -> Started:
         # Each call within its own limit (0 in the config: none) and what is left of the
         # run's budget when it starts.
-        own = self.machine.config.nvidia_ctk_timeout_seconds or None
+        own = own or self.machine.config.nvidia_ctk_timeout_seconds or None
         # Its errors and warnings reach the journal: when NVML or the device nodes fail,
         # they are the only account of why (run.relay).
         started = start(argv, limit=self.machine.limit(own), speaks=True)
         self.running.append(started)
         return started
 
-    def generate(self, device_ids: list[str] | None = None,
-                  mode: str | None = None) -> Started:
+    def generate(self, device_ids: list[str] | None = None, mode: str | None = None,
+                 own: float | None = None) -> Started:
         return self._start(generate_argv(self.machine, self.ctk, self.work / "nvidia.yaml",
-                                         device_ids, mode))
+                                         device_ids, mode), own)
+
+    def _generated(self, device_ids: list[str] | None, mode: str | None,
+                   own: float | None) -> Result:
+        return self.generate(device_ids, mode, own).wait(expire=True)
 
     def version(self) -> Ctk:
         """nvidia-ctk as `--version` describes it."""
@@ -136,32 +143,36 @@ class Generator:
 
     def spec(self, driver_version: str, helpers: tuple[str, ...]) -> bytes | None:
         """A validated spec for the live driver root; None when NVML can use no GPU of
-        the node (`assessment` says why): then no spec may be installed."""
-        result = (self.early or self.generate()).wait()
+        the node (`gpus` says why): then no spec may be installed. The generate that
+        decides is the last one the installed nvidia-ctk can run: a generate that fails
+        or hangs on a GPU takes the degraded path whichever it is."""
+        result = (self.early or self.generate()).wait(expire=True)
         self.early = None
-        if device_failure(result) and not chooses_devices(self.machine.config.nvidia_ctk_args):
-            from .degrade import degrade  # only a failed generate imports it
-
-            degraded = degrade(self, result)
-            if degraded is None:
-                return None
-            result = degraded
-        if not result.ok and self.ctk.version >= HOOKS_SINCE:
+        if not result.ok and not device_failure(result) and self.ctk.version >= HOOKS_SINCE:
             ctk = self.version()
             if ctk.version < HOOKS_SINCE:
                 log.info(f"nvidia-ctk {'.'.join(map(str, ctk.version))} predates the hook "
                          "flags: generating without them")
                 self.ctk = ctk
-                result = self.generate().wait()
+                result = self.generate().wait(expire=True)
+        narrowing = None
+        if device_failure(result) and not chooses_devices(self.machine.config.nvidia_ctk_args):
+            from .degrade import degrade  # only a failed generate imports it
+
+            served, self.gpus, narrowing = degrade(self.machine, result, self._generated,
+                                                   self.output)
+            if served is None:
+                return None
+            result = served
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
                 hint="the previous driver root and spec were kept; its errors and warnings "
                      "are in the journal above this line")
         data = self.output()
-        if self.narrow_to is not None:
+        if narrowing is not None:
             from .degrade import narrowed
 
-            data = narrowed(data, *self.narrow_to)
+            data = narrowed(data, *narrowing)
         # IMEX channels are for their consumers, never in nvidia.com/gpu (imex.py).
         # imex.py is imported only where it works: a module costs every boot about 5M
         # instructions to import (docs/performance.md).
@@ -170,10 +181,10 @@ class Generator:
 
             data = imex.without_channels(self.machine, data)
         validate(self.machine, data, driver_version, helpers)
-        if self.assessment is not None:
+        if self.gpus is not None:
             from .degrade import check_served
 
-            check_served(self.assessment, data)
+            check_served(self.gpus, data)
         return data
 
     def output(self) -> bytes:

@@ -4,10 +4,12 @@ rendered as text, JSON or the status summary. Nothing here reads the machine."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from . import log
 from .config import Machine
-from .outcome import when
+from .gpus import status_lines
+from .outcome import when, when_at
 from .state import Report
 
 
@@ -46,14 +48,14 @@ def _last_run_line(report: Report) -> str:
     return line
 
 
-def _plugin_line(report: Report, plugin: dict[str, str] | None) -> str:
-    if plugin:
-        return f"{plugin['path']} (present)"
-    gpus = report.sections.get("gpus")
-    if gpus and gpus["unusable"]:
-        # docs/problems.md: NVIDIA's plugin v0.20 exits while a GPU is unusable
-        return "no spec: NVIDIA's device plugin (v0.20) exits while NVML cannot use a GPU"
-    return "no spec yet"
+def _plugin_line(plugin: dict[str, Any] | None) -> str:
+    """What the device plugin's spec lists and when it was written: what it does beyond
+    that is docs/operations.md's, never predicted here."""
+    if not plugin:
+        return "no spec"
+    listed = plugin.get("gpus")
+    return (f"{plugin['path']}, written {when_at(plugin['written_at'])}"
+            + ("" if listed is None else f", lists {', '.join(listed) or 'no GPU'}"))
 
 
 def render_status(machine: Machine, report: Report) -> str:
@@ -77,16 +79,9 @@ def render_status(machine: Machine, report: Report) -> str:
             f"CDI spec:       {spec.get('path')} "
             + (f"(devices: {', '.join(spec.get('devices', [])) or 'none'})"
                if spec.get("present") else "(missing)"),
-            f"Device plugin:  {_plugin_line(report, plugin)}",
+            f"Device plugin:  {_plugin_line(plugin)}",
         ]
-        gpus = report.sections.get("gpus")
-        if gpus and gpus["listed"]:
-            bad = ", ".join(f"GPU {g['index']} ({g['uuid'] or g['device'] or '-'}, NVML "
-                            f"{g['nvml_error']})" for g in gpus["unusable"])
-            lines.append(f"GPUs:           the spec serves {gpus['served']} of "
-                         f"{gpus['listed']} GPUs" + (f" (unusable: {bad})" if bad else ""))
-            if gpus["excluded"]:
-                lines.append(f"                excluded on the host: {', '.join(gpus['excluded'])}")
+        lines += status_lines(report.sections.get("gpus", {}))
     if report.left_out:
         lines.append(f"Left out:       {len(report.left_out)} staged "
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "

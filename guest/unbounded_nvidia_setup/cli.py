@@ -88,7 +88,14 @@ def run(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from .check import render_json, render_text
     from .lock import shared_or_busy
-    from .state import DEGRADED, EXIT_DEGRADED, NO_USABLE_GPU, collect_beside, unit_state
+    from .state import (
+        DEGRADED,
+        EXIT_DEGRADED,
+        EXIT_NO_USABLE_GPU,
+        NO_USABLE_GPU,
+        collect_beside,
+        unit_state,
+    )
 
     def action() -> int:
         machine = _machine(args)
@@ -107,7 +114,8 @@ def check(args: argparse.Namespace) -> int:
             _reload_if_due(machine, report)
         if report.ok:
             return 0
-        return EXIT_DEGRADED if verdict == DEGRADED else EXIT_FAILED
+        return {DEGRADED: EXIT_DEGRADED, NO_USABLE_GPU: EXIT_NO_USABLE_GPU}.get(verdict,
+                                                                               EXIT_FAILED)
 
     return _guarded(action)
 

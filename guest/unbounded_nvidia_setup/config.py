@@ -19,8 +19,6 @@ WORK_DIR = "/run/unbounded-nvidia-setup"
 # How the last run ended (outcome.py); on /run, so a boot starts without one.
 LAST_RUN = "/run/unbounded-nvidia-setup.last-run"
 PLUGIN_SPEC = "/var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
-# The host kernel's: /proc/driver is not namespaced (gpus.py).
-GPUS_DIR = "/proc/driver/nvidia/gpus"
 IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"  # imex.py
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 
@@ -34,6 +32,11 @@ class Config:
     nvidia_ctk_args: tuple[str, ...] = ()
     # Not in the original key list: a hung nvidia-ctk must not hold the boot forever.
     nvidia_ctk_timeout_seconds: float = 120.0
+    # An addition (issue 35): after a generate that failed or hung on a GPU, how long one
+    # NVML call for one GPU may go unanswered before that GPU counts as unusable (a GPU
+    # whose GSP stopped answering blocks NVML for ever). A healthy call takes
+    # milliseconds; nvmlInit, which can take seconds, is not bound by it.
+    nvml_gpu_timeout_seconds: float = 10.0
     ldconfig: str = "ldconfig"
     # Also an addition: ldconfig stats every directory ld.so.conf names, and one on a hung
     # network filesystem holds it (and the boot) as long as nothing kills it.
@@ -55,8 +58,9 @@ class Config:
 
 
 _ABSOLUTE_KEYS = ("driver_root", "staging_glob", "cdi_spec")
-_NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "ldconfig_timeout_seconds", "staging_wait_seconds",
-                "lock_timeout_seconds", "run_timeout_seconds")
+_NUMBER_KEYS = ("nvidia_ctk_timeout_seconds", "nvml_gpu_timeout_seconds",
+                "ldconfig_timeout_seconds", "staging_wait_seconds", "lock_timeout_seconds",
+                "run_timeout_seconds")
 _LIST_KEYS = ("nvidia_ctk_args", "extra_library_prefixes")
 
 

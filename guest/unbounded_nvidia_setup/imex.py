@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Machine, load_yaml
+from .gpus import edits
 from .spec import imex_channel
 
 
@@ -47,11 +48,10 @@ def without_channels(machine: Machine, data: bytes) -> bytes:
     doc = load_yaml(data)
     if not isinstance(doc, dict):  # validation names what is wrong with the spec
         return data
-    changed = _strip(machine, doc.get("containerEdits"))
+    changed = False
+    for edit in edits(doc):
+        changed = _strip(machine, edit) or changed
     devices = doc.get("devices")
-    for device in devices if isinstance(devices, list) else []:
-        if isinstance(device, dict):
-            changed = _strip(machine, device.get("containerEdits")) or changed
     if not changed:
         return data
     if isinstance(devices, list):

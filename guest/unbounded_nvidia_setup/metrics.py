@@ -29,7 +29,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import log, outcome
-from .outcome import RELOAD, RUN, Gpus
+from .gpus import METRICS, NodeGpus
+from .outcome import RELOAD, RUN
 from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class RunRecord:
         self.checked_at = 0.0
         self.command = RUN  # or RELOAD
         self.error: str | None = None  # the failure's one line
-        self.gpus = Gpus()  # what NVML said of the GPUs (cdi.Generator's assessment)
+        self.gpus = NodeGpus()  # what NVML said of the GPUs (degrade.py), if asked
         # A run that never got the lock (exit 75) did nothing: the outcome on record is the
         # lock holder's to write, not replaced by "another run holds the lock".
         self.held_lock = False
@@ -69,7 +70,8 @@ class RunRecord:
         if self.machine is None:
             return
         if self.held_lock:
-            outcome.write(self.machine, self._outcome(exit_code))
+            outcome.write(self.machine, outcome.ended(self.machine, self.command, exit_code,
+                                                      self.error, self.gpus))
         now = time.time()
         lines = list(_run_lines(exit_code, time.monotonic() - self.started, now, self.swapped,
                                 "reload_" if self.command == RELOAD else "run_"))
@@ -85,30 +87,6 @@ class RunRecord:
             write(self.machine, run=None, reload=lines, check=check)
         else:
             write(self.machine, run=lines, check=check)
-
-    def _outcome(self, exit_code: int) -> outcome.Outcome:
-        """The record this run leaves. A failed run keeps the previous spec live, and with
-        it the GPUs its run left out. A failed reload changed nothing: the record stays
-        the previous one's, with the reload's failure beside it."""
-        assert self.machine is not None
-        now = time.time()
-        gpus = self.gpus
-        if exit_code == 0 and not (self.command == RELOAD and gpus.degraded):
-            return outcome.Outcome(self.command, exit_code, now, None, gpus)
-        previous = outcome.read(self.machine)  # only where it matters: not on every boot
-        if exit_code != 0 and previous is not None:
-            if self.command == RELOAD and not previous.failed:
-                previous.reload_exit_code, previous.reload_finished_at = exit_code, now
-                previous.reload_error = self.error
-                previous.gpus.attempts += previous.gpus.degraded
-                return previous
-            return outcome.Outcome(self.command, exit_code, now, self.error, previous.gpus)
-        if exit_code != 0:
-            return outcome.Outcome(self.command, exit_code, now, self.error)
-        if (self.command == RELOAD and gpus.degraded and previous is not None
-                and previous.gpus.degraded):
-            gpus.attempts = previous.gpus.attempts + 1
-        return outcome.Outcome(self.command, exit_code, now, None, gpus)
 
 
 def write_check(machine: Machine, report: Report, checked_at: float) -> None:
@@ -163,16 +141,8 @@ def _check_lines(gpu: bool, driver_version: str | None, module_version: str | No
     yield (f'{PREFIX}driver_info{{driver_version="{_label(driver_version)}",'
            f'module_version="{_label(module_version)}"}} 1')
     yield from _gauge("gpu_present", "1 when the machine has NVIDIA devices.", int(gpu))
-    gpus = gpus or {}
-    # Listed and served apart: an alert on `served < listed` finds the degraded nodes of
-    # a fleet (a lost GPU, docs/problems.md: gpu-lost) without reading problem codes.
-    yield from _gauge("gpus", "GPUs the kernel module lists (/proc/driver/nvidia/gpus) "
-                      "and NVML enumerates: those the host excluded are not counted.",
-                      gpus.get("listed", 0))
-    yield from _gauge("gpus_served", "GPUs of those whose device node the CDI spec serves.",
-                      gpus.get("served", 0))
-    yield from _gauge("gpus_excluded", "GPUs the host excluded (NVreg_ExcludedGpus): listed "
-                      "by the kernel module, never served.", len(gpus.get("excluded", [])))
+    for name, help_text, value in METRICS:
+        yield from _gauge(name, help_text, value(gpus or {}))
     yield from _gauge("driver_root_files", "Regular files in the driver root.",
                       root.get("files", 0))
     yield from _gauge("driver_root_bytes", "Bytes in the driver root's files.",

@@ -16,7 +16,10 @@ never makes `check` skip a check of the files themselves. Its lines are `key val
     exit_code 0
     finished_at 1796400000.123
     error nvidia-ctk cdi generate failed (exit status 1: ...)
-    unusable 2 15 /dev/nvidia2 GPU-1b2c... 0000:37:00.0
+    unusable 2 15 /dev/nvidia2 GPU-1b2c... 0000:37:00.0 nvmlDeviceGetHandleByIndex_v2 -
+    unusable 3 10 /dev/nvidia3 GPU-9f0e... 0000:47:00.0 nvmlDeviceGetMigMode 10
+                                  (gpus.Gpu.record: index, code (10: no answer),
+                                   device, uuid, bus id, the call, the seconds given)
     node_error 8                  (NVML failed for the attached devices as a whole)
     serves_none 1                 (no GPU usable: no spec installed)
     kernel 4-1a2b3c4d             (gpus.fingerprint when the GPUs were last asked)
@@ -25,7 +28,8 @@ never makes `check` skip a check of the files themselves. Its lines are `key val
     reload_finished_at 1796400300.5
     reload_error nvidia-ctk cdi generate did not finish within 120 s
 
-An older record's `lost <index> <device> <uuid> <bus>` line reads as `unusable` with 15.
+An older record's `lost <index> <device> <uuid> <bus>` line reads as `unusable` with 15,
+and its `unusable` lines without the call and seconds as calls not known.
 """
 
 from __future__ import annotations
@@ -35,65 +39,9 @@ import time
 from . import log
 from .atomic import write_atomically
 from .config import Machine
+from .gpus import Gpu, NodeGpus
 
 RUN, RELOAD = "run", "run --spec-only"
-
-
-GPU_IS_LOST = 15  # nvml.GPU_IS_LOST, without importing nvml on every boot
-
-
-# Plain classes, not frozen dataclasses: both are made on every boot's path, where a
-# dataclass costs about 3M instructions to create (docs/performance.md).
-class UnusableGpu:
-    """A GPU whose own NVML lookup by index failed: its NVML index, the return code, and
-    what the kernel module lists for it (None where it lists nothing)."""
-
-    __slots__ = ("bus_id", "code", "device", "index", "uuid")
-
-    def __init__(self, index: int, code: int = GPU_IS_LOST, device: str | None = None,
-                 uuid: str | None = None, bus_id: str | None = None) -> None:
-        self.index = index
-        self.code = code
-        self.device = device  # /dev/nvidia<minor>
-        self.uuid = uuid
-        self.bus_id = bus_id
-
-    def _key(self) -> tuple[int, int, str | None, str | None, str | None]:
-        return self.index, self.code, self.device, self.uuid, self.bus_id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnusableGpu) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return "UnusableGpu({!r}, {!r}, {!r}, {!r}, {!r})".format(*self._key())
-
-
-class Gpus:
-    """What the run that generated the live spec found of the GPUs: those NVML could not
-    use, an error of all attached devices, whether any GPU is served, the kernel's view
-    then (gpus.fingerprint) and how many reloads since left the node as it is."""
-
-    __slots__ = ("attempts", "kernel", "node_error", "serves_none", "unusable")
-
-    def __init__(self, unusable: tuple[UnusableGpu, ...] = (), node_error: int | None = None,
-                 serves_none: bool = False, kernel: str | None = None,
-                 attempts: int = 0) -> None:
-        self.unusable = unusable
-        self.node_error = node_error
-        self.serves_none = serves_none
-        self.kernel = kernel
-        self.attempts = attempts
-
-    @property
-    def degraded(self) -> bool:
-        return bool(self.unusable) or self.serves_none
-
-    def __repr__(self) -> str:
-        return (f"Gpus({self.unusable!r}, {self.node_error!r}, {self.serves_none!r}, "
-                f"{self.kernel!r}, {self.attempts!r})")
 
 
 class Outcome:
@@ -101,12 +49,12 @@ class Outcome:
                  "reload_exit_code", "reload_finished_at")
 
     def __init__(self, command: str, exit_code: int, finished_at: float,
-                 error: str | None = None, gpus: Gpus | None = None) -> None:
+                 error: str | None = None, gpus: NodeGpus | None = None) -> None:
         self.command = command
         self.exit_code = exit_code
         self.finished_at = finished_at
         self.error = error
-        self.gpus = gpus or Gpus()
+        self.gpus = gpus or NodeGpus()
         # The last reload, when it failed after this outcome (it changed nothing).
         self.reload_exit_code: int | None = None
         self.reload_finished_at: float | None = None
@@ -115,10 +63,6 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.exit_code != 0
-
-    @property
-    def unusable(self) -> tuple[UnusableGpu, ...]:
-        return self.gpus.unusable
 
     @property
     def last_attempt(self) -> float:
@@ -135,17 +79,7 @@ def render(outcome: Outcome) -> str:
              f"finished_at {outcome.finished_at:.3f}"]
     if outcome.error:
         lines.append(f"error {log.one_line(outcome.error)}")
-    gpus = outcome.gpus
-    lines += [" ".join(["unusable", str(g.index), str(g.code), g.device or "-", g.uuid or "-",
-                        g.bus_id or "-"]) for g in gpus.unusable]
-    if gpus.node_error is not None:
-        lines.append(f"node_error {gpus.node_error}")
-    if gpus.serves_none:
-        lines.append("serves_none 1")
-    if gpus.kernel:
-        lines.append(f"kernel {gpus.kernel}")
-    if gpus.attempts:
-        lines.append(f"attempts {gpus.attempts}")
+    lines += outcome.gpus.record()
     if outcome.reload_exit_code is not None:
         lines.append(f"reload_exit_code {outcome.reload_exit_code}")
         lines.append(f"reload_finished_at {outcome.reload_finished_at or 0.0:.3f}")
@@ -154,24 +88,14 @@ def render(outcome: Outcome) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _gpu(key: str, value: str) -> UnusableGpu | None:
-    parts = value.split(" ")
-    if key == "lost":  # an older record's line: NVML's GPU_IS_LOST
-        parts = [parts[0], str(GPU_IS_LOST), *parts[1:]]
-    if len(parts) != 5 or not parts[0].isdigit() or not parts[1].isdigit():
-        return None
-    device, uuid, bus = (None if p == "-" else p for p in parts[2:])
-    return UnusableGpu(int(parts[0]), int(parts[1]), device, uuid, bus)
-
-
 def parse(text: str) -> Outcome | None:
     """None when the text is not a record this tool wrote."""
     fields: dict[str, str] = {}
-    unusable: list[UnusableGpu] = []
+    unusable: list[Gpu] = []
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if key in ("lost", "unusable"):
-            gpu = _gpu(key, value)
+            gpu = Gpu.from_record(key, value)
             if gpu is None:
                 return None
             unusable.append(gpu)
@@ -179,9 +103,9 @@ def parse(text: str) -> Outcome | None:
             fields[key] = value
     try:
         node = fields.get("node_error")
-        gpus = Gpus(tuple(unusable), int(node) if node is not None else None,
-                    fields.get("serves_none") == "1", fields.get("kernel"),
-                    int(fields.get("attempts", "0")))
+        gpus = NodeGpus(unusable, int(node) if node is not None else None,
+                        serves=fields.get("serves_none") != "1", kernel=fields.get("kernel"),
+                        attempts=int(fields.get("attempts", "0")))
         outcome = Outcome(fields["command"], int(fields["exit_code"]),
                           float(fields["finished_at"]), fields.get("error"), gpus)
         if "reload_exit_code" in fields:
@@ -191,6 +115,30 @@ def parse(text: str) -> Outcome | None:
     except (KeyError, ValueError):
         return None
     return outcome
+
+
+def ended(machine: Machine, command: str, exit_code: int, error: str | None,
+          gpus: NodeGpus) -> Outcome:
+    """The record a run or reload that ended so leaves. A failed run keeps the previous
+    spec live, and with it the GPUs its run left out. A failed reload changed nothing:
+    the record stays the previous one's, with the reload's failure beside it, and it
+    counts towards the drift check's backoff (drift.py) like a reload that leaves a
+    degraded node degraded."""
+    now = time.time()
+    if exit_code == 0 and not (command == RELOAD and gpus.degraded):
+        return Outcome(command, exit_code, now, None, gpus)
+    previous = read(machine)  # only where it matters: not on every boot
+    if exit_code != 0 and previous is not None:
+        if command == RELOAD and not previous.failed:
+            previous.reload_exit_code, previous.reload_finished_at = exit_code, now
+            previous.reload_error = error
+            previous.gpus.attempts += previous.gpus.degraded
+            return previous
+        return Outcome(command, exit_code, now, error, previous.gpus)
+    if exit_code != 0:
+        return Outcome(command, exit_code, now, error)
+    return Outcome(command, exit_code, now, None,
+                   gpus.counted_after(previous.gpus if previous is not None else None))
 
 
 def write(machine: Machine, outcome: Outcome) -> None:
@@ -222,4 +170,8 @@ def remove(machine: Machine) -> None:
 
 
 def when(outcome: Outcome) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(outcome.finished_at))
+    return when_at(outcome.finished_at)
+
+
+def when_at(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))

@@ -36,6 +36,7 @@ PROBLEM_CODES = (
     "spec-missing-library", "spec-missing-helper", "spec-imex-channel", "spec-shadowed",
     "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
     "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
+    "plugin-spec-unusable-gpu",
 )
 
 # Problems that mean "the host has not staged the driver, or bound its devices, yet",
@@ -43,9 +44,9 @@ PROBLEM_CODES = (
 WAITING_CODES = frozenset({"staging-missing", "devices-not-bound"})
 
 # Problems that leave the node serving, with less: the verdict is `degraded` when they are
-# all there is (a GPU NVML cannot use; docs/host-integration.md says what the host agent
-# does).
-DEGRADED_CODES = frozenset({"gpu-lost", "gpu-unusable"})
+# all there is (a GPU NVML cannot use, and the device plugin's spec that still lists one;
+# docs/host-integration.md says what the host agent does).
+DEGRADED_CODES = frozenset({"gpu-lost", "gpu-unusable", "plugin-spec-unusable-gpu"})
 # With `no-usable-gpu` (NVML can use no GPU of the node): the node is up and serves none,
 # the verdict `no-usable-gpu` when they are all there is. A run ends with these by its
 # own decision, never as a failure (reconcile._verify_end_state).

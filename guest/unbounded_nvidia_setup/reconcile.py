@@ -158,7 +158,7 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
             with linker.start_ldconfig(machine) as ldconfig:
                 spec = generator.spec(plan.version, helpers)
                 linker.check_ldconfig(ldconfig.wait())
-            record.gpus = gpus_of(machine, generator)
+            record.gpus = generator.gpus or record.gpus
             _install_and_prove(machine, undo, spec, want, record, plan.left_out)
         except BaseException:
             undo.rollback()
@@ -168,37 +168,16 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
     if undo.swapped:
         record.swapped = True
         log.info(f"driver root {live} now holds driver {plan.version}")
-    log.status(f"{serving(generator)}: driver {plan.version}, {len(plan.files)} files "
+    log.status(f"{serving(record)}: driver {plan.version}, {len(plan.files)} files "
                f"in {live}, spec {machine.cdi_spec}")
 
 
-def gpus_of(machine: Machine, generator: cdi.Generator) -> outcome.Gpus:
-    """What the run found of the GPUs, for its record (outcome.py)."""
-    found = generator.assessment
-    if found is None:
-        return outcome.Gpus()
-    from .gpus import fingerprint
+def serving(record: RunRecord) -> str:
+    """STATUS='s first words: what the proved end state serves (gpus.status_word)."""
+    from .gpus import status_word
 
-    unusable = tuple(outcome.UnusableGpu(g.index if g.index is not None else -1, code,
-                                         g.device, g.uuid, g.bus_id or None)
-                     for g, code in found.unusable)
-    return outcome.Gpus(unusable, found.node_error, found.serves_none, fingerprint(machine))
-
-
-def serving(generator: cdi.Generator) -> str:
-    """STATUS='s word on a degraded node: `systemctl status` shows it at a glance."""
-    found = generator.assessment
-    if found is None:
-        return "Ready"
-    listed = found.count
-    bad = ", ".join(f"{g.describe()} "
-                    + ("lost" if code == outcome.GPU_IS_LOST else f"NVML error {code}")
-                    for g, code in found.unusable)
-    if found.serves_none:
-        return (f"Up without GPUs: NVML can use none of the {listed} GPUs ({bad}); no CDI spec "
-                "is installed: keep GPU pods off this node")
-    return (f"Ready (degraded): the spec serves {len(found.serve_minors())} of {listed} GPUs, "
-            f"{bad}; NVIDIA's device plugin serves none while a GPU is unusable")
+    counted = record.report.sections.get("gpus", {}) if record.report is not None else {}
+    return status_word(record.gpus, counted.get("served", 0), counted.get("listed", 0))
 
 
 def _refuse_if_staged_without_devices(machine: Machine, record: RunRecord) -> None:
@@ -259,7 +238,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         log.status("Generating the CDI spec for the live driver root")
         helpers = ("nvidia-smi",) if "usr/bin/nvidia-smi" in want else ()
         spec = generator.spec(plan.version, helpers)
-        record.gpus = gpus_of(machine, generator)
+        record.gpus = generator.gpus or record.gpus
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
             changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out)
@@ -267,7 +246,7 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
             undo.rollback()
             raise
     # STATUS= as a run's, "Ready" first: the unit's status shows the reload's outcome.
-    log.status(f"{serving(generator)}: spec refreshed for driver {plan.version}, "
+    log.status(f"{serving(record)}: spec refreshed for driver {plan.version}, "
                f"{machine.cdi_spec} " + ("updated" if changed else "unchanged"))
 
 

@@ -148,6 +148,8 @@ class Result:
     returncode: int
     stdout: str
     stderr: str
+    # Killed at its limit (Started.wait(expire=True)): `why` says so.
+    timed_out: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -168,6 +170,8 @@ class Result:
 
     def why(self) -> str:
         """How the program failed, in one line (its cause, or the signal)."""
+        if self.timed_out is not None:
+            return self.timed_out
         if self.returncode < 0:
             try:
                 name = signal.Signals(-self.returncode).name
@@ -214,25 +218,79 @@ class Started:
         except OSError as e:
             die(f"cannot run {argv[0]}: {e.strerror}", hint="check that it is installed")
 
-    def wait(self) -> Result:
+    def wait(self, *, expire: bool = False) -> Result:
+        """Its result; past its limit it is killed and the run fails, or, with `expire`,
+        the result says it did not finish (`timed_out`) and the caller decides."""
         if self.result is not None:
             return self.result
         remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         try:
             out, err = self.proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
-            _, err = self.kill()
+            out, err = self.kill()
             # What it said before it was killed may say where it hung.
             self._log_stderr(err, failed=True)
+            why = f"{self.argv[0]} did not finish within {self.limit.text()}{self.limit.because()}"
+            if expire:
+                self.result = Result(self.argv, -signal.SIGKILL, out, err, why)
+                return self.result
             # Cut short by the run's budget, the program may only be slow: the budget is
             # raised with the unit's timeout, or systemd kills the run mid-way again.
-            die(f"{self.argv[0]} did not finish within {self.limit.text()}"
-                f"{self.limit.because()}", hint="check the program; " + (
+            die(why, hint="check the program; " + (
                     "raise run_timeout_seconds only together with the unit's TimeoutStartSec"
                     if self.limit.by_budget else "the timeout is configurable"))
         self._log_stderr(err, failed=self.proc.returncode != 0)
         self.result = Result(self.argv, self.proc.returncode, out, err)
         return self.result
+
+    def lines(self, bound: float | None) -> tuple[str, str | None]:
+        """What it writes to stdout, read as it comes, and why it stopped early (None: it
+        ended with exit status 0). Once it has written a line, each next line must follow
+        within `bound` seconds (None: no bound), and all of it within its limit: else it
+        is killed. For a child that says what it is about to do before it does it."""
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        import selectors
+
+        pipes = {self.proc.stdout.fileno(): bytearray(), self.proc.stderr.fileno(): bytearray()}
+        out = pipes[self.proc.stdout.fileno()]
+        why: str | None = None
+        with selectors.DefaultSelector() as sel:
+            for fd in pipes:
+                sel.register(fd, selectors.EVENT_READ)
+            next_line: float | None = None
+            while sel.get_map():
+                now = time.monotonic()
+                ends = [t for t in (self.deadline, next_line) if t is not None]
+                timeout = max(0.0, min(ends) - now) if ends else None
+                ready = sel.select(timeout)
+                if not ready:
+                    if next_line is not None and (self.deadline is None
+                                                  or next_line <= self.deadline):
+                        why = f"no answer within {bound:g} s"
+                    else:
+                        why = f"did not finish within {self.limit.text()}{self.limit.because()}"
+                    break
+                for key, _ in ready:
+                    data = os.read(key.fd, 65536)
+                    if not data:
+                        sel.unregister(key.fd)
+                        continue
+                    pipes[key.fd] += data
+                    if key.fd == self.proc.stdout.fileno() and bound is not None:
+                        next_line = time.monotonic() + bound
+        err = pipes[self.proc.stderr.fileno()].decode(errors="replace")
+        if why is not None:
+            self.kill()
+            self.result = Result(self.argv, -signal.SIGKILL, out.decode(errors="replace"),
+                                 err, why)
+        else:
+            self.proc.wait()
+            self.result = Result(self.argv, self.proc.returncode,
+                                 out.decode(errors="replace"), err)
+            if not self.result.ok:
+                why = self.result.why()
+        self._log_stderr(err, failed=why is not None)
+        return self.result.stdout, why
 
     def _log_stderr(self, err: str, *, failed: bool) -> None:
         if self.speaks:

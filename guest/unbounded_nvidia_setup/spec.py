@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import IMEX_CHANNELS_DIR, Machine
+from .gpus import edits as _edits
 from .problems import Problem
 
 KIND = "nvidia.com/gpu"
@@ -21,14 +22,6 @@ def host_path(machine: Machine, path: str) -> Path:
     if machine.is_live or path == str(machine.root) or path.startswith(f"{machine.root}/"):
         return Path(path)
     return machine.at(path)
-
-
-def _edits(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    edits = [doc.get("containerEdits")]
-    for device in doc.get("devices") or []:
-        if isinstance(device, dict):
-            edits.append(device.get("containerEdits"))
-    return [e for e in edits if isinstance(e, dict)]
 
 
 def _entries(edits: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, discover, driver, linker, outcome, searchorder, tree
-from .config import GPUS_DIR, Machine, load_yaml
+from . import devices, discover, driver, gpus, linker, outcome, searchorder, tree
+from .config import Machine, load_yaml
 from .log import Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .problems import SERVING_CODES, WAITING_CODES, Problem
@@ -22,8 +22,11 @@ UNIT = "unbounded-nvidia-setup.service"
 # Minor versions add keys, codes and verdicts only (docs/problems.md); 1: `degraded`,
 # `gpu-lost`, `setup-failed` and the `gpus` section (issue 27); 2: `no-usable-gpu` (a
 # verdict and a code), `gpu-unusable`, `spec-imex-channel`, the `gpus` section's
-# `unusable`, `excluded` and `node_error`, and `last_reload` (issue 31).
-SCHEMA_MINOR = 2
+# `unusable`, `excluded` and `node_error`, and `last_reload` (issue 31); 3: the `gpus`
+# section's unusable GPUs' `query` and `timeout_seconds`, `served` counted from the
+# installed spec on every node, `plugin-spec-unusable-gpu`, and the device plugin spec
+# section's `written_at` and `gpus` (issue 35).
+SCHEMA_MINOR = 3
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
 DEGRADED, NO_USABLE_GPU = "degraded", "no-usable-gpu"
 VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN)
@@ -31,6 +34,10 @@ VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN)
 # that reads only the status must not take it for healthy) and not 1: the drift check's
 # unit takes it for success (SuccessExitStatus=3), since a restart cannot mend it.
 EXIT_DEGRADED = 3
+# `check`'s exit status for `no-usable-gpu`: the node is up and serves no GPU. Not 1,
+# for the same reason: a host agent that restarts the unit on 1 would stop every CPU pod
+# and mend nothing, and the drift check's unit takes it for success too.
+EXIT_NO_USABLE_GPU = 4
 
 
 @dataclass
@@ -214,14 +221,14 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
 
 
 def _check_spec(machine: Machine, report: Report, version: str | None,
-                gpus: outcome.Gpus) -> None:
+                found: gpus.NodeGpus) -> None:
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
     if not section["present"]:
-        if not gpus.serves_none:  # else no spec is the run's own decision (served.py)
+        if found.serves:  # else no spec is the run's own decision (degrade.py)
             report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
-        _check_gpus(machine, report, None, gpus)
+        _check_gpus(machine, report, None, found)
         return
     doc, why = _load(path, path.suffix == ".json")
     if why:
@@ -233,48 +240,18 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
     helpers = ("nvidia-smi",) if (machine.driver_root / "usr/bin/nvidia-smi").exists() else ()
     report.problems += spec_problems(doc, machine, codes=SPEC_CODES, where=str(path), kind=KIND,
                                      version=version, helpers=helpers)
-    _check_gpus(machine, report, doc, gpus)
+    _check_gpus(machine, report, doc, found)
     shadow = machine.at("/var/run/cdi") / path.name
     if shadow.exists() and shadow.resolve() != path.resolve():
         report.problems.append(Problem("spec-shadowed", f"{shadow} outranks {path} for the same "
                                        "devices (nvidia-cdi-refresh?)", str(shadow)))
 
 
-def _listed(machine: Machine) -> tuple[int, list[str]]:
-    """(the GPUs the module lists that NVML enumerates, the bus ids of those the host
-    excluded), read without gpus.py: a healthy node's every check and end-state proof
-    count them, and a module costs every boot about 5M instructions to import
-    (docs/performance.md)."""
-    top = machine.at(GPUS_DIR)
-    try:
-        buses = os.listdir(top)
-    except OSError:
-        return 0, []
-    excluded = []
-    for bus in buses:
-        try:
-            with open(top / bus / "information", "rb") as f:
-                text = f.read(1 << 14)
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(b":")
-            if key == b"GPU Excluded" and value.strip().lower() == b"yes":
-                excluded.append(bus)
-    return len(buses) - len(excluded), sorted(excluded)
-
-
-def _check_gpus(machine: Machine, report: Report, doc: Any, found: outcome.Gpus) -> None:
-    """A healthy node's GPUs are counted here; served.py, imported only where a run left
-    GPUs out, reports those (a module costs every boot about 5M instructions)."""
-    if not found.degraded:
-        count, excluded = _listed(machine)
-        report.sections["gpus"] = {"listed": count, "served": count, "lost": [],
-                                   "unusable": [], "excluded": excluded, "node_error": None}
-        return
-    from . import served
-
-    report.problems += served.check_gpus(machine, report.sections, doc, found)
+def _check_gpus(machine: Machine, report: Report, doc: Any, found: gpus.NodeGpus) -> None:
+    """What the installed spec serves of the GPUs the kernel lists, on every node; where
+    the last run found GPUs NVML cannot use, those it leaves out (gpus.problems)."""
+    report.sections["gpus"], problems = gpus.report(machine, doc, found, str(machine.cdi_spec))
+    report.problems += problems
 
 
 def _check_last_run(machine: Machine, report: Report) -> None:
@@ -294,18 +271,27 @@ def _check_last_run(machine: Machine, report: Report) -> None:
 
 
 def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
+    """The device plugin's own spec, as it wrote it and when: what it lists is what pods
+    get through it. A GPU it lists that the last run found unusable is a problem of its
+    own (gpus.plugin_problems): the plugin started before, and only an Xid tells it."""
     path = machine.plugin_spec
-    if not path.exists():
+    try:
+        written = path.stat().st_mtime
+    except OSError:
         return
-    section: dict[str, Any] = {"path": str(path), "present": True}
+    section: dict[str, Any] = {"path": str(path), "present": True, "written_at": written}
     report.sections["device_plugin_spec"] = section
     doc, why = _load(path, True)
     if why:
         report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
         return
     section["devices"] = device_names(doc)
+    section["gpus"] = sorted(f"/dev/nvidia{n}" for n in gpus.served_minors(doc))
     report.problems += spec_problems(doc, machine, codes=PLUGIN_SPEC_CODES, where=str(path),
                                      kind=None, version=version)
+    if report.last_run is not None and report.last_run.gpus.degraded:
+        when = outcome.when_at(written)
+        report.problems += gpus.plugin_problems(report.last_run.gpus, doc, str(path), when)
 
 
 def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | None] | None,
@@ -321,10 +307,10 @@ def _check_ldcache(machine: Machine, report: Report, sonames: dict[str, str | No
 
 def collect(machine: Machine, want: Manifest | None = None,
             left_out: tuple[LeftOut, ...] = (),
-            gpus: outcome.Gpus | None = None) -> Report:
+            found: gpus.NodeGpus | None = None) -> Report:
     """Everything `check` reports. With `want` (a run verifying its own end state), the
     root is compared with what the run built instead of resolving staging again (and
-    `left_out` is what its plan left out, `gpus` what it found NVML cannot use), and
+    `left_out` is what its plan left out, `found` what it found NVML cannot use), and
     the device plugin's spec, which the plugin rewrites after kubelet starts, is left
     out. Without, the GPUs are those of the last run's record."""
     gpu = discover.has_gpu(machine)
@@ -364,8 +350,8 @@ def collect(machine: Machine, want: Manifest | None = None,
     _check_ldcache(machine, report, sonames, leftovers)
     if want is None:
         _check_last_run(machine, report)
-        gpus = report.last_run.gpus if report.last_run is not None else None
-    _check_spec(machine, report, version, gpus or outcome.Gpus())
+        found = report.last_run.gpus if report.last_run is not None else None
+    _check_spec(machine, report, version, found or gpus.NodeGpus())
     if want is None:
         _check_plugin_spec(machine, report, version)
         # Not in a run's end-state proof: pods that predate the run keep the generation it

@@ -719,15 +719,13 @@ def test_e_a_lost_gpu_at_the_plugins_start(cri_node: Any, descriptors: bytes,  #
             "device_plugin_spec": report.get("device_plugin_spec"), "STATUS": status}),
             flush=True)
         assert report["verdict"] == "degraded", report
-        # What the operator reads (issue 32, 4e): our spec serves 2 of 3, and
-        # NVIDIA's plugin none, in check, status and STATUS= alike.
-        assert "Device plugin:  no spec: NVIDIA's device plugin (v0.20) exits" in shown, \
-            shown
+        # What the operator reads (issues 32, 4e and 35): our spec serves 2 of 3, and
+        # the plugin wrote no spec; what the plugin does is never predicted.
+        assert "Device plugin:  no spec\n" in shown, shown
         assert status.startswith("Ready (degraded): the spec serves 2 of 3 GPUs"), status
-        assert "NVIDIA's device plugin serves none while a GPU is unusable" in status, \
-            status
+        assert "device plugin" not in status, status
         lost, = report["problems"]
-        assert "NVIDIA's device plugin (v0.20) exits" in lost["message"], lost
+        assert "device plugin" not in lost["message"], lost
 
 
 # -- b: the incident, with its own component ---------------------------------------------------
