@@ -958,10 +958,11 @@ class Machine:
     tool: Path
     out: Path
 
-    def generate(self, *extra: str, mode: str | None = None,
-                 proc_driver: bool = False) -> subprocess.CompletedProcess[str]:
+    def generate(self, *extra: str, mode: str | None = None, proc_driver: bool = False,
+                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``cdi generate`` of the machine (default mode: auto), ``proc_driver``: with the
-        machine's proc/driver as /proc/driver (its MIG caps, tests/procdriver.py)."""
+        machine's proc/driver as /proc/driver (its MIG caps, tests/procdriver.py);
+        subprocess.TimeoutExpired after ``timeout`` seconds, the tool killed."""
         import procdriver
 
         if os.path.lexists(self.out):
@@ -976,7 +977,7 @@ class Machine:
                 unmet(f"a private /proc/driver: {why}")
             argv = procdriver.in_private_proc_driver(self.m.root, argv)
         return subprocess.run(argv, env=clean_env(), capture_output=True, text=True,
-                              timeout=60, check=False)
+                              timeout=timeout, check=False)
 
     def devices(self, *extra: str, mode: str | None = None,
                 proc_driver: bool = False) -> dict[str, list[tuple[str, int, int]]]:
@@ -1223,3 +1224,151 @@ def test_simulated_nvml_reads_its_machine(tmp_path: Path) -> None:
     assert lib.nvmlShutdown() == 0
     simnvml.silence_nvml(m)
     assert lib.nvmlInit_v2() == 9
+
+
+SPECS = "failed to generate CDI spec: failed to create device CDI specs: "
+GENERATORS = SPECS + "failed to construct device spec generators: "
+FULL_GPUS = GENERATORS + "failed to get full GPU device editors: "
+MIGS = (GENERATORS + "failed to get MIG device editors: error visiting devices: error visiting "
+        "device: error visiting device: ")
+DISCOVERER = SPECS + "failed to get CDI device edits: failed to create device discoverer: "
+# What 1.20 says when GPU 1's query answers 999 (simnvml.fail_query) in a plain `cdi
+# generate` (auto: NVML mode), as NVIDIA's nvidia-ctk said it here; None: it is not
+# fatal (1.20 does not ask it of a full GPU, or ignores it).
+FAILING_QUERY = {
+    "nvmlDeviceGetUUID": FULL_GPUS + "error visiting device: failed to get device UUID",
+    "nvmlDeviceGetName": FULL_GPUS + "error checking whether device is skipped: error "
+                                     "getting device name",
+    "nvmlDeviceGetMigMode": FULL_GPUS + "error visiting device: error getting MIG mode",
+    "nvmlDeviceGetMinorNumber": DISCOVERER + "failed to create device discoverer: error "
+                                             "getting device node path: error getting GPU "
+                                             "device minor number",
+    "nvmlDeviceGetPciInfo": DISCOVERER + "failed to create device discoverer: error getting "
+                                         "PCI info for device: error getting PCI info",
+    "nvmlDeviceGetMaxMigDeviceCount": MIGS + "error getting max MIG device count",
+    "nvmlDeviceGetMigDeviceHandleByIndex": MIGS + "error getting MIG device handle at index "
+                                                  "'0'",
+    "nvmlDeviceGetAttributes": None,
+    "nvmlDeviceGetMemoryInfo": None,
+    "nvmlDeviceGetCudaComputeCapability": None,
+    "nvmlDeviceGetIndex": None,
+    "nvmlDeviceIsMigDeviceHandle": None,
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": None,
+    "nvmlDeviceGetGpuInstanceId": None,
+    "nvmlDeviceGetComputeInstanceId": None,
+}
+MIG_PROFILE = DISCOVERER + "error getting MIG Profile attributes: "
+# The same with GPU 1 in MIG mode (one 4g device), the machine's mig-minors in place.
+FAILING_MIG_QUERY = {
+    **FAILING_QUERY,
+    "nvmlDeviceGetUUID": MIGS + "error visiting MIG device: error visiting MIG device: failed "
+                                "to get device UUID",
+    "nvmlDeviceGetMinorNumber": DISCOVERER + "error getting GPU device minor number",
+    "nvmlDeviceGetPciInfo": None,  # asked of a graphics MIG profile's parent alone
+    "nvmlDeviceIsMigDeviceHandle": MIGS + "error creating new MIG device wrapper: error "
+                                          "checking if device is a MIG device",
+    "nvmlDeviceGetAttributes": MIG_PROFILE + "error getting MIG device attributes",
+    "nvmlDeviceGetMemoryInfo": MIG_PROFILE + "error getting parent memory info",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": MIG_PROFILE + "error getting parent "
+                                                                  "device handle",
+    "nvmlDeviceGetGpuInstanceId": MIG_PROFILE + "error getting MIG device GPU Instance ID",
+    "nvmlDeviceGetComputeInstanceId": MIG_PROFILE + "error getting MIG device Compute "
+                                                    "Instance ID",
+}
+
+
+def test_the_failing_queries_are_the_simulated_nvmls() -> None:
+    import simnvml
+
+    assert sorted(FAILING_QUERY) == sorted(FAILING_MIG_QUERY) == sorted(simnvml.QUERIES)
+
+
+@pytest.mark.parametrize("mig", [False, True], ids=["full", "mig"])
+@pytest.mark.parametrize("function", sorted(FAILING_QUERY))
+def test_a_failing_query_fails_nvml_mode_where_1_20_does(machine: Machine, function: str,
+                                                         mig: bool) -> None:
+    """A GPU whose handle NVML gives but one of whose queries answers 999, Unknown Error
+    (GPU 1 of 0..1; ``mig``: in MIG mode): where 1.20 asks that query in NVML mode its
+    generate fails, exit 1, no spec, with its own words and NVML's for 999; a query it
+    does not ask, or whose error it ignores, changes nothing. Management mode never asks."""
+    import simnvml
+
+    m = machine.m
+    if mig:
+        simnvml.enable_mig(m, 1, [(1, 0, 3, 3)])
+    simnvml.fail_query(m, 1, function, 999)
+    error = (FAILING_MIG_QUERY if mig else FAILING_QUERY)[function]
+    result = machine.generate(proc_driver=mig)
+    if error is None:
+        assert result.returncode == 0, result.stderr
+        # both GPUs: 0, 1 (or 1:0), their uuids and all
+        assert len(load(machine.out)["devices"]) == 5
+    else:
+        assert result.returncode == 1, result.stderr
+        assert last_error(result) == f"{error}: Unknown Error"
+        assert not machine.out.exists()
+    assert machine.generate(mode="management").returncode == 0
+
+
+def test_a_hanging_gpu_blocks_nvml_mode_until_it_is_killed(machine: Machine) -> None:
+    """A GPU whose GSP stopped answering (simnvml.hang_gpu): NVML mode's generate, which
+    gets every GPU's handle, does not end (run killed it after 3 s); SIGTERM ends it,
+    with no spec. One query that blocks (its MIG mode) blocks it too; management mode,
+    which asks NVML for no GPU, ends; the GPU recovered, NVML mode ends."""
+    import simnvml
+
+    m = machine.m
+    for function in (None, "nvmlDeviceGetMigMode"):
+        simnvml.hang_gpu(m, 1, function)
+        with pytest.raises(subprocess.TimeoutExpired):
+            machine.generate(timeout=3)
+        assert not machine.out.exists()
+        assert machine.generate(mode="management").returncode == 0
+        simnvml.recover_gpu(m, 1)
+    simnvml.hang_gpu(m, 1)
+    machine.out.unlink()
+    argv = [str(machine.tool), "cdi", "generate", f"--driver-root={m.driver_root}",
+            f"--dev-root={m.root}", f"--output={machine.out}"]
+    with subprocess.Popen(argv, env=clean_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL) as proc:
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=3)
+            proc.terminate()
+            assert proc.wait(timeout=10) == -signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert not os.path.lexists(machine.out)
+    simnvml.recover_gpu(m, 1)
+    assert machine.generate().returncode == 0
+
+
+def test_a_gpu_without_its_node_is_skipped_or_denied_in_nvml_mode(machine: Machine) -> None:
+    """dev/nvidia1 gone: with no devices reading NVML does not look, GPU 1's devices get
+    no edits at all, and 1.20 refuses to write the spec it made (to a file or stdout);
+    under ``skip`` NVML lists GPU 0 alone and so does the spec; under ``deny`` GPU 1's
+    lookup answers 4 and NVML mode fails at its index, with NVML's words for 4."""
+    import simnvml
+
+    m = machine.m
+    uuid0 = m.nvml_gpus[0]
+    simnvml.remove_gpu_node(m, 1)
+    invalid = ('failed to write spec: invalid CDI Spec: failed add device "1": invalid '
+               'device, empty device edits')
+    result = machine.generate()
+    assert (result.returncode, last_error(result)) == (1, invalid), result.stderr
+    assert not machine.out.exists()
+    result = subprocess.run([str(machine.tool), "cdi", "generate", f"--driver-root={m.driver_root}",
+                             f"--dev-root={m.root}"], env=clean_env(), capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (1, ""), result.stderr
+    assert last_error(result) == f"failed to write CDI spec to STDOUT: {invalid}"
+    gpu0 = [node("/dev/nvidia0")]
+    simnvml.set_devices_reading(m, "skip")
+    assert machine.devices() == {"0": gpu0, uuid0: gpu0, "all": gpu0}
+    simnvml.set_devices_reading(m, "deny")
+    result = machine.generate()
+    assert result.returncode == 1, result.stderr
+    assert last_error(result) == (FULL_GPUS + "error getting device handle for index '1': "
+                                  "Insufficient Permissions")

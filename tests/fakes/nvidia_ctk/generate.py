@@ -23,7 +23,7 @@ from .nvcdi import (
     driver_edits,
 )
 from .nvml import NvmlLib, init_sandboxutils
-from .spec import minimum_cdi_version, save
+from .spec import minimum_cdi_version, save, validate
 from .version import V1_18, V1_19, V1_20, Version
 
 MODES_ALWAYS = ("auto", "csv", "gds", "management", "mofed", "nvml", "wsl")
@@ -365,6 +365,12 @@ def run_generate(args: Sequence[str], ctk: Version, log: Logger) -> int:
         spec = generate_spec(opts, ctk, log)
     except CtkError as exc:
         raise CtkError(f"failed to generate CDI spec: {exc}") from exc
-    save(corrupt(spec, how) if how else spec, opts.output, opts.format, log)
     log.info(f"Generated CDI spec with version {spec['cdiVersion']}")
+    try:
+        validate(spec)
+    except CtkError as exc:
+        if not opts.output:
+            raise CtkError(f"failed to write CDI spec to STDOUT: {exc}") from exc
+        raise
+    save(corrupt(spec, how) if how else spec, opts.output, opts.format, log)
     return 0

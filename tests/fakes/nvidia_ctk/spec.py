@@ -28,6 +28,16 @@ def minimum_cdi_version(spec: dict[str, Any]) -> str:
     return "0.3.0"
 
 
+def validate(spec: dict[str, Any]) -> None:
+    """What the CDI library checks of a spec before 1.20 writes it (to a file or to
+    stdout alike): a device with no edits at all (a GPU whose /dev/nvidia<minor> is not
+    there gets none) is an invalid spec, the first such device in order named."""
+    for device in spec["devices"]:
+        if not any(device["containerEdits"].values()):
+            raise CtkError(f'failed to write spec: invalid CDI Spec: failed add device '
+                           f'"{device["name"]}": invalid device, empty device edits')
+
+
 def render(spec: dict[str, Any] | str, fmt: str) -> str:
     if isinstance(spec, str):
         return spec
