@@ -21,7 +21,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,18 +99,24 @@ class Running:
 @contextmanager
 def running(binary: Path, root: Path, kubelet_dir: Path, *, log: Path,
             dev_root: Path | None = None, default_dev_root: bool = False,
-            hide: tuple[Path, ...] = (), extra: tuple[str, ...] = ()) -> Iterator[Running]:
+            hide: tuple[Path, ...] = (), nodes: Sequence[Path] | None = None,
+            extra: tuple[str, ...] = ()) -> Iterator[Running]:
     """NVIDIA's plugin ``binary`` against the machine at ``root`` (see the module doc),
     its stdout and stderr in ``log``; stopped, with its process group, on leaving.
     ``dev_root`` defaults to ``root``; ``default_dev_root``: no NVIDIA_DEV_ROOT at all,
     as NVIDIA's chart runs it without ``nvidiaDevRoot`` (it then takes the driver root).
     ``hide``: paths that get an empty tmpfs in its namespace (staging it cannot see).
     Its own /dev holds the machine's NVIDIA device nodes, as its container gets them on
-    a node (it looks its GPUs' nodes up in its own /dev)."""
+    a node (it looks its GPUs' nodes up in its own /dev). ``nodes``: only these of them
+    (a pod given a spec that leaves a GPU out; default all): the others are absent from
+    its /dev and, in its namespace, from the machine's dev/ too, which is its dev root
+    and where its NVML (loaded from the machine's driver root) looks for a GPU's node,
+    as a container's NVML looks in the container's own /dev (tests/simnvml.c)."""
     driver_root = root / "run/nvidia/driver"
     run_cdi = root / RUN_CDI.relative_to("/")
     scratch = log.parent / f"{log.name}.host-dev"
-    for path in (kubelet_dir, run_cdi, DEVICE_PLUGINS, RUN_CDI, scratch):
+    machine_dev = log.parent / f"{log.name}.machine-dev"
+    for path in (kubelet_dir, run_cdi, DEVICE_PLUGINS, RUN_CDI, scratch, machine_dev):
         path.mkdir(parents=True, exist_ok=True)
     argv = [str(binary), "--device-list-strategy=cdi-cri",
             f"--nvidia-driver-root={driver_root}", f"--container-driver-root={driver_root}",
@@ -123,7 +129,8 @@ def running(binary: Path, root: Path, kubelet_dir: Path, *, log: Path,
         "set -e",
         f"mount --bind {q(str(kubelet_dir))} {q(str(DEVICE_PLUGINS))}",
         f"mount --bind {q(str(run_cdi))} {q(str(RUN_CDI))}",
-        *pod.dev_with(device_nodes(root), scratch),
+        *(() if nodes is None else only_nodes(root, nodes, machine_dev)),
+        *pod.dev_with(device_nodes(root) if nodes is None else nodes, scratch),
         *(pod.tmpfs(path) for path in hide),
         "exec " + " ".join(q(a) for a in argv),
     ])
@@ -137,6 +144,22 @@ def running(binary: Path, root: Path, kubelet_dir: Path, *, log: Path,
         yield plugin
     finally:
         plugin.stop()
+
+
+def only_nodes(root: Path, nodes: Sequence[Path], scratch: Path) -> list[str]:
+    """Shell lines: the machine's dev/ with only ``nodes`` of its NVIDIA device nodes (a
+    tmpfs over it holding copies of those and links to every other entry, the machine's
+    dev/ kept reachable at ``scratch``, an empty directory)."""
+    q = shlex.quote
+    dev = root / "dev"
+    unknown = [str(n) for n in nodes if n not in device_nodes(root)]
+    if unknown:
+        raise ValueError(f"{unknown}: not NVIDIA device nodes of the machine at {root}")
+    left_out = {n.name for n in device_nodes(root)} - {n.name for n in nodes}
+    return [f"mount --rbind {q(str(dev))} {q(str(scratch))}", pod.tmpfs(dev),
+            *(f"ln -s {q(str(e))} {q(str(dev / e.name))}" for e in sorted(dev.iterdir())
+              if e.name not in left_out and e not in nodes),
+            *(pod.copy(scratch / n.name, dev / n.name) for n in nodes)]
 
 
 def wait_for(path: Path, timeout: float) -> bool:

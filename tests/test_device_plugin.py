@@ -32,18 +32,24 @@ from conftest import Cli, needs_root, unmet
 from nvplugin import edits, host_paths
 from test_pod import fetch, simulated_nvml, staging
 from test_run import check_json as _check_json
-from test_run import codes, root_of
+from test_run import codes, load_spec, root_of
 
 # Every test runs under each reading of NVML's lookups (issue 31; conftest.nvml_reading).
 pytestmark = [pytest.mark.device_plugin, needs_root, pytest.mark.usefixtures("nvml_reading")]
 
 REGISTER_TIMEOUT = 20.0
 EXIT_TIMEOUT = 20.0
-# What the plugin says and does with a GPU lost at its start (measured, every reading).
-LOST_GPU_ERROR = ("error starting plugins: error getting plugins: unable to create plugins: "
-                  "failed to construct resource managers: error building device map: error "
-                  "building device map from config.resources: error building GPU device map: "
-                  "error getting device handle for index '2': GPU is lost")
+# What the plugin says at its start on a degraded node (measured, every reading of NVML's
+# lookups): GPU 2 of 4 lost, or its MIG mode answering 999, with its node in the plugin's
+# container; or, under the `deny` devices reading, without it.
+GPU_MAP_ERROR = ("error starting plugins: error getting plugins: unable to create plugins: "
+                 "failed to construct resource managers: error building device map: error "
+                 "building device map from config.resources: error building GPU device map: ")
+LOST_GPU_ERROR = GPU_MAP_ERROR + "error getting device handle for index '2': GPU is lost"
+MIG_MODE_ERROR = (GPU_MAP_ERROR + "error visiting device: error checking if MIG is enabled on "
+                  "GPU: error getting MIG mode: Unknown Error")
+DENIED_GPU_ERROR = (GPU_MAP_ERROR
+                    + "error getting device handle for index '2': Insufficient Permissions")
 NO_NVML_ERROR = ("error starting plugins: unable to validate flags: CDI --device-list-strategy "
                  "options are only supported on NVML-based systems")
 
@@ -217,22 +223,149 @@ def test_the_charts_default_dev_root_names_nodes_the_root_does_not_have(
             assert "nvidiaDevRoot" in p["message"], p
 
 
-def test_a_lost_gpu_at_its_start_stops_the_plugin(
-        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str) -> None:
-    """GPU 2 of 4 lost (NVML 15) before the node's run, under each reading of NVML's
-    header: the product degrades the node and serves the other 3, but NVIDIA's plugin
-    exits 1 at once on building its device map, never registers, and writes no spec: on
-    such a node it serves no GPU at all."""
-    m = four_gpus(simgpu.make_machine(tmp_path / "root"))
-    assert (m.root / simnvml.READING_FILE).read_text().strip() == nvml_reading
-    simnvml.lose_gpu(m, 2)
+@dataclass(frozen=True)
+class Fault:
+    """How GPU 2 of 4 is unusable: what the product's check calls it, and the plugin's
+    error line at its start when its container has that GPU's node."""
+    code: str
+    error: str
+
+    def make(self, m: simgpu.SimMachine) -> None:
+        if self.code == "gpu-lost":
+            simnvml.lose_gpu(m, 2)
+        else:  # its handle opens, its later query fails: a GSP timeout (Xid 119/120)
+            simnvml.fail_query(m, 2, "nvmlDeviceGetMigMode", 999)
+
+
+FAULTS = {"lost": Fault("gpu-lost", LOST_GPU_ERROR),
+          "mig-mode-999": Fault("gpu-unusable", MIG_MODE_ERROR)}
+
+
+def degraded_node(cli: Cli, m: simgpu.SimMachine, fault: Fault, devices: str | None) -> None:
+    """``m`` with 4 GPUs, GPU 2 unusable by ``fault`` and NVML's ``devices`` reading, set up
+    by `run`: degraded, our spec serving GPUs 0, 1 and 3 and not GPU 2's node."""
+    four_gpus(m)
+    fault.make(m)
+    simnvml.set_devices_reading(m, devices)
     assert cli(m.root, "run").code == 0
-    assert check_json(cli, m)["verdict"] == "degraded"
-    with plugin_on(binary, api, m, tmp_path) as node:
-        stops_at_its_start(node, LOST_GPU_ERROR)
     report = check_json(cli, m)
-    assert codes(report) == {"gpu-lost"}, report["problems"]
+    assert (report["verdict"], codes(report)) == ("degraded", {fault.code}), report["problems"]
+    gpu_nodes = [n.name for n in spec_nodes(m) if n.name.removeprefix("nvidia").isdigit()]
+    assert gpu_nodes == ["nvidia0", "nvidia1", "nvidia3"], gpu_nodes
+
+
+def uuid_of(m: simgpu.SimMachine, minor: int) -> str:
+    return m.nvml_gpus[simnvml.nvml_index(m, minor)]
+
+
+def spec_nodes(m: simgpu.SimMachine) -> list[Path]:
+    """The machine's NVIDIA device nodes that a pod given our spec's `nvidia.com/gpu=all`
+    gets: those named by its common edits or by any of its devices."""
+    doc = load_spec(m)
+    named = {x.get("hostPath") or x["path"] for e in edits(doc) for x in e.get("deviceNodes", [])}
+    return [n for n in nvplugin.device_nodes(m.root) if str(n) in named]
+
+
+@pytest.mark.parametrize("devices", [None, *simnvml.DEVICES_READINGS])
+@pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
+def test_an_unusable_gpu_whose_node_its_container_has_stops_the_plugin(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str,
+        fault: Fault, devices: str | None) -> None:
+    """GPU 2 of 4 lost (NVML 15), or its MIG mode answering 999, before the node's run,
+    under each reading of NVML's lookups: the product degrades the node and serves the
+    other 3. The plugin's container has every GPU's node (all of the machine's, as a pod
+    given the host's /dev has), so what NVML does with a node it lacks does not come into
+    it: under either devices reading, and without one, the plugin exits 1 at once on
+    building its device map with NVML's own answer for GPU 2, never registers, and writes
+    no spec: on such a node it serves no GPU at all."""
+    m = simgpu.make_machine(tmp_path / "root")
+    assert (m.root / simnvml.READING_FILE).read_text().strip() == nvml_reading
+    degraded_node(cli, m, fault, devices)
+    with plugin_on(binary, api, m, tmp_path) as node:
+        stops_at_its_start(node, fault.error)
+    report = check_json(cli, m)
+    assert (report["verdict"], codes(report)) == ("degraded", {fault.code}), report["problems"]
     assert "device_plugin_spec" not in report
+
+
+@pytest.mark.parametrize("devices", simnvml.DEVICES_READINGS)
+@pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
+def test_a_degraded_node_with_the_plugins_container_given_what_our_spec_serves(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str,
+        fault: Fault, devices: str) -> None:
+    """As above, but the plugin's container gets only the device nodes our degraded spec
+    serves (as a pod given its `nvidia.com/gpu=all` would): no /dev/nvidia2. Under each
+    devices reading of NVML (which one the real library follows is not known here), and
+    each reading of its lookups, the same:
+    - ``skip`` (GPU 2 not enumerated, GPU 3 renumbered 2): the plugin starts, registers,
+      lists GPUs 0, 1 and 3 Healthy by their UUIDs and keeps running; its spec lists those
+      three, each with its own /dev/nvidia<N> (GPU 3's is nvidia3, not nvidia2), Allocate
+      of GPU 3 hands out its CDI device, and `check` reads that spec without a plugin
+      problem: degraded, by the fault alone.
+    - ``deny`` (GPU 2 counted, its lookups answering 4): the plugin exits 1 at its start
+      on GPU 2's lookup with Insufficient Permissions, whatever the fault, never
+      registers and writes no spec: `check` has no device_plugin_spec section."""
+    m = simgpu.make_machine(tmp_path / "root")
+    degraded_node(cli, m, fault, devices)
+    served = [uuid_of(m, minor) for minor in (0, 1, 3)]
+    with plugin_on(binary, api, m, tmp_path, nodes=spec_nodes(m)) as node:
+        if devices == "deny":
+            stops_at_its_start(node, DENIED_GPU_ERROR)
+        else:
+            plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
+            plugin.watch()
+            listed = plugin.devices()
+            assert listed == dict.fromkeys(served, kubelet.HEALTHY), listed
+            third = uuid_of(m, 3)
+            allocation = plugin.allocate([third])
+            assert allocation.cdi_devices == [f"{nvplugin.KIND}={third}"], allocation
+            assert node.plugin.wait(0) is None, node.plugin.output()
+            assert error_lines(node.plugin) == [], node.plugin.output()
+    report = check_json(cli, m)
+    assert (report["verdict"], codes(report)) == ("degraded", {fault.code}), report["problems"]
+    if devices == "deny":
+        assert "device_plugin_spec" not in report
+        return
+    doc = plugin_spec(m)
+    assert sorted(d["name"] for d in doc["devices"]) == sorted(served)
+    for minor in (0, 1, 3):
+        assert device_nodes(doc, uuid_of(m, minor)) == [str(m.root / f"dev/nvidia{minor}")]
+    assert report["device_plugin_spec"]["gpus"] == ["/dev/nvidia0", "/dev/nvidia1",
+                                                    "/dev/nvidia3"], report
+    assert sorted(report["device_plugin_spec"]["devices"]) == sorted(served), report
+
+
+@pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
+def test_a_pod_allocated_the_renumbered_gpu_under_skip_gets_that_gpus_node(
+        binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str,
+        fault: Fault) -> None:
+    """The ``skip`` case above with Debian's 550 driver (simulated NVML), through podman +
+    runc: the plugin's container lacks /dev/nvidia2, its NVML numbers GPU 3 as 2, and a
+    pod given the CDI device Allocate hands out for GPU 3 gets /dev/nvidia3 and no other
+    GPU's node, with libcuda and NVML."""
+    why = pod.unavailable()
+    if why is not None:
+        unmet(f"no container runtime: {why}")
+    drv = fetch("550")
+    from realmachine import real_machine
+
+    m = real_machine(tmp_path, drv)
+    simulated_nvml(m)
+    simnvml.set_reading(m, nvml_reading)
+    degraded_node(cli, m, fault, "skip")
+    with plugin_on(binary, api, m, tmp_path, nodes=spec_nodes(m)) as node:
+        plugin = node.kubelet.connect(node.kubelet.wait_registration(REGISTER_TIMEOUT))
+        third = uuid_of(m, 3)
+        allocation = plugin.allocate([third])
+        assert allocation.cdi_devices == [f"{nvplugin.KIND}={third}"], allocation
+        result = pod.probe(allocation.cdi_devices[0], run_cdi=nvplugin.spec_path(m.root).parent,
+                           hide=[staging(m)]).report()
+        assert node.plugin.wait(0) is None, node.plugin.output()
+    gpus = {d for d in result["devices"] if d.removeprefix("nvidia").isdigit()}
+    assert gpus == {"nvidia3"} and "nvidiactl" in result["devices"], result
+    gaps = [g for g in pod.missing(result, drv.version)
+            if g != "/dev/nvidia0 and /dev/nvidiactl"]
+    assert gaps == [], result
 
 
 def links_into_staging(m: simgpu.SimMachine, stems: tuple[str, ...]) -> None:
@@ -289,9 +422,11 @@ def test_an_xid_79_marks_the_gpu_unhealthy_and_the_next_reload_agrees(
     """Issue 32, 4d, without a booted machine, under each reading of NVML: an Xid 79 for
     GPU 2 while the plugin runs (health checks on), after which NVML answers 15 for it.
     The plugin marks GPU 2 Unhealthy in ListAndWatch and no other (measured: its NVML
-    stays initialised, so the loss itself reaches it only at its next start). The
-    product cannot see an Xid (only NVML, asked again, can): its next reload finds GPU 2
-    lost and agrees (degraded, gpu-lost naming it)."""
+    stays initialised, so the loss itself reaches it only at its next start), and keeps
+    running with the spec it wrote at its start, which still lists GPU 2. The product
+    cannot see an Xid (only NVML, asked again, can): its next reload finds GPU 2 lost and
+    agrees (degraded, gpu-lost naming it), and check reads the plugin's spec still
+    listing /dev/nvidia2 (plugin-spec-unusable-gpu, the plugin's pod to restart)."""
     m = four_gpus(simgpu.make_machine(tmp_path / "root"))
     assert cli(m.root, "run").code == 0
     with simnvml.XidRegistrations(simnvml.xid_files(m)) as registered, \
@@ -311,7 +446,12 @@ def test_an_xid_79_marks_the_gpu_unhealthy_and_the_next_reload_agrees(
         report = check_json(cli, m)
         assert report["verdict"] == "degraded", report
         assert [(p["code"], p["path"]) for p in report["problems"]] == [
-            ("gpu-lost", str(m.root / "dev/nvidia2"))], report["problems"]
+            ("gpu-lost", str(m.root / "dev/nvidia2")),
+            ("plugin-spec-unusable-gpu", str(nvplugin.spec_path(m.root)))], report["problems"]
+        stale = report["problems"][1]["message"]
+        assert "/dev/nvidia2" in stale and "restart the device plugin" in stale, stale
+        assert report["device_plugin_spec"]["gpus"] == [f"/dev/nvidia{n}" for n in range(4)]
+        assert node.plugin.wait(0) is None, node.plugin.output()
 
 
 def test_an_xid_48_is_the_plugins_to_see_not_the_products(
