@@ -129,7 +129,7 @@ LEFTOVERS = ("/run/unbounded-nvidia-setup/*.tmp",)
 # Purposes whose calls all name fixed paths or descriptors of them: their points are
 # counted among the calls on those paths only (strace -P), so no call before them can
 # move them. The metrics file is written after the work dir is removed; the spec's and
-# the drop-in's temp files have random names (atomic.py), and no unsteady call comes
+# the drop-in's temp files have random names (tree.write_atomically), and no unsteady call comes
 # before their points (class_points checks).
 BY_PATH: dict[str, tuple[str, ...]] = {"metrics": PURPOSES["metrics"]}
 # Classes a scenario makes no call of, and why; any other empty point list fails (CI).

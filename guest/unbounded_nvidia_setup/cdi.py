@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import log
-from .atomic import write_atomically
 from .config import IMEX_CHANNELS_DIR, Machine, load_yaml
 from .log import die
 from .run import Result, Started, find_program, start
 from .spec import KIND, SPEC_CODES, spec_problems
+from .tree import write_atomically
 
 if TYPE_CHECKING:
     from .gpus import NodeGpus

@@ -8,11 +8,11 @@ import re
 from pathlib import Path
 
 from . import log
-from .atomic import write_atomically
 from .config import Machine
 from .log import Failure, die
 from .problems import Problem
 from .run import Result, Started, find_program, run, start
+from .tree import write_atomically
 from .verify import resolve_in_driver_root
 
 HEADER = "# Written by unbounded-nvidia-setup on every boot; do not edit.\n"

@@ -37,9 +37,9 @@ from __future__ import annotations
 import time
 
 from . import log
-from .atomic import write_atomically
 from .config import Machine
 from .gpus import Gpu, NodeGpus
+from .tree import write_atomically
 
 RUN, RELOAD = "run", "run --spec-only"
 

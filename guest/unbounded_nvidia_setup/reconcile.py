@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 from . import cdi, devices, discover, driver, linker, log, outcome, searchorder, tree
-from .atomic import write_atomically
 from .config import Machine
 from .lock import locked
 from .log import EXIT_FAILED, EXIT_TEMPFAIL, Failure, die
@@ -16,6 +15,7 @@ from .plan import LeftOut, Manifest, Plan
 from .problems import SERVING_CODES
 from .run import find_program
 from .state import collect
+from .tree import write_atomically
 from .verify import changed_copies, root_problems
 
 # Programs that hold the driver root open in pods: swapping under them is refused.
