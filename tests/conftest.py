@@ -234,3 +234,27 @@ def aarch64_ldconfig(tmp_path: Path) -> str:
     wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(qemu)} {shlex.quote(str(ldconfig))} "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+# The GPU fault tests' machine (tests/test_lost_gpu.py, tests/test_gpu_faults.py).
+@pytest.fixture(params=("target", "walk", "any"))
+def reading(request: pytest.FixtureRequest) -> str:
+    """Each reading of NVML's lookups by UUID (simnvml.READINGS), for `four`."""
+    value: str = request.param
+    return value
+
+
+@pytest.fixture
+def four(tmp_path: Path, reading: str) -> simgpu.SimMachine:
+    """Four GPUs in NVML mode (the product's default, no --mode), NVML read as
+    ``reading``."""
+    import simnvml
+
+    assert reading in simnvml.READINGS
+    m = simgpu.make_machine(tmp_path / "root")
+    for minor in (2, 3):
+        simnvml.add_gpu(m, minor)
+    simnvml.set_reading(m, reading)
+    m.write_config()
+    assert len(m.nvml_gpus) == 4
+    return m

@@ -465,42 +465,38 @@ static int read_sim_state(nvmlDevice_t gpu, unsigned g)
     return NVML_SUCCESS;
 }
 
+/* One word of a machine-wide file of this simulation's (see the top): the index of the
+ * word in `words`, `absent` without the file, -1 for a word this file does not know. */
+static int read_word(const char *rel, const char *const words[], int count, int absent)
+{
+    char text[64];
+    if (read_driver(rel, text, sizeof text) < 0)
+        return absent;
+    text[strcspn(text, " \t\r\n")] = '\0';
+    for (int i = 0; i < count; i++)
+        if (strcmp(text, words[i]) == 0)
+            return i;
+    return -1;
+}
+
 /* The machine's reading of the header (see the top); a word this file does not know
  * fails init rather than pass for "target", so a typo in a test cannot weaken it. */
 static int read_reading(void)
 {
-    char text[64];
-    reading = READ_TARGET;
-    if (read_driver("nvidia/simulated-nvml-reading", text, sizeof text) < 0)
-        return NVML_SUCCESS;
-    text[strcspn(text, " \t\r\n")] = '\0';
-    if (strcmp(text, "target") == 0)
-        reading = READ_TARGET;
-    else if (strcmp(text, "walk") == 0)
-        reading = READ_WALK;
-    else if (strcmp(text, "any") == 0)
-        reading = READ_ANY;
-    else
-        return NVML_ERROR_UNKNOWN;
-    return NVML_SUCCESS;
+    static const char *const words[] = {"target", "walk", "any"}; /* enum reading's order */
+    int word = read_word("nvidia/simulated-nvml-reading", words, 3, READ_TARGET);
+    reading = word < 0 ? READ_TARGET : (enum reading)word;
+    return word < 0 ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
 }
 
 /* The machine's reading of GPU device nodes (see the top): absent, nodes are not looked
  * at; a word this file does not know fails init, as for the reading above. */
 static int read_devices(void)
 {
-    char text[64];
-    devices_reading = DEVICES_UNREAD;
-    if (read_driver("nvidia/simulated-nvml-devices", text, sizeof text) < 0)
-        return NVML_SUCCESS;
-    text[strcspn(text, " \t\r\n")] = '\0';
-    if (strcmp(text, "skip") == 0)
-        devices_reading = DEVICES_SKIP;
-    else if (strcmp(text, "deny") == 0)
-        devices_reading = DEVICES_DENY;
-    else
-        return NVML_ERROR_UNKNOWN;
-    return NVML_SUCCESS;
+    static const char *const words[] = {"skip", "deny"};
+    int word = read_word("nvidia/simulated-nvml-devices", words, 2, -2);
+    devices_reading = word == 0 ? DEVICES_SKIP : word == 1 ? DEVICES_DENY : DEVICES_UNREAD;
+    return word == -1 ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
 }
 
 /* Whether P/dev/nvidia<minor> is a character device (a container's own /dev: P = ""). */

@@ -136,6 +136,19 @@ def stops_at_its_start(node: Node, error: str) -> None:
     assert not nvplugin.spec_path(node.m.root).exists()
 
 
+def debian_machine(tmp_path: Path) -> simgpu.SimMachine:
+    """Debian's 550 driver with the simulated NVML, for a pod through podman + runc (the
+    test is unmet without a container runtime)."""
+    why = pod.unavailable()
+    if why is not None:
+        unmet(f"no container runtime: {why}")
+    from realmachine import real_machine
+
+    m = real_machine(tmp_path, fetch("550"))
+    simulated_nvml(m)
+    return m
+
+
 def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocated(
         binary: Path, api: kubelet.Api, tmp_path: Path, cli: Cli, nvml_reading: str) -> None:
     """Debian's 550 driver with the simulated NVML, 4 GPUs, set up by `run`: the plugin
@@ -144,14 +157,7 @@ def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocate
     driver root, every hostPath exists, and `check` finds no problem with it. A pod given
     that CDI device by podman + runc (the CDI library containerd uses) gets that GPU's
     node and no other, libcuda and NVML."""
-    why = pod.unavailable()
-    if why is not None:
-        unmet(f"no container runtime: {why}")
-    drv = fetch("550")
-    from realmachine import real_machine
-
-    m = real_machine(tmp_path, drv)
-    simulated_nvml(m)
+    m = debian_machine(tmp_path)
     four_gpus(m)
     simnvml.set_reading(m, nvml_reading)
     assert cli(m.root, "run").code == 0
@@ -176,7 +182,7 @@ def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocate
         assert sorted(d["name"] for d in doc["devices"]) == sorted(m.nvml_gpus)
         mounted = {x["hostPath"] for e in edits(doc) for x in e.get("mounts", [])}
         lib = root_of(m) / "lib" / m.multiarch
-        for name in (f"libcuda.so.{drv.version}", f"libnvidia-ml.so.{drv.version}"):
+        for name in (f"libcuda.so.{m.version}", f"libnvidia-ml.so.{m.version}"):
             assert str(lib / name) in mounted, sorted(mounted)
         assert [p for p in host_paths(doc) if not os.path.exists(p)] == []
         assert device_nodes(doc, chosen) == [str(m.root / "dev/nvidia1")]
@@ -188,7 +194,7 @@ def test_the_plugin_serves_the_nodes_gpus_and_a_pod_gets_the_gpu_it_was_allocate
                            hide=[staging(m)]).report()
     gpus = {d for d in result["devices"] if d.removeprefix("nvidia").isdigit()}
     assert gpus == {"nvidia1"} and "nvidiactl" in result["devices"], result
-    gaps = [g for g in pod.missing(result, drv.version)
+    gaps = [g for g in pod.missing(result, m.version)
             if g != "/dev/nvidia0 and /dev/nvidiactl"]
     assert gaps == [], result
 
@@ -343,14 +349,7 @@ def test_a_pod_allocated_the_renumbered_gpu_under_skip_gets_that_gpus_node(
     runc: the plugin's container lacks /dev/nvidia2, its NVML numbers GPU 3 as 2, and a
     pod given the CDI device Allocate hands out for GPU 3 gets /dev/nvidia3 and no other
     GPU's node, with libcuda and NVML."""
-    why = pod.unavailable()
-    if why is not None:
-        unmet(f"no container runtime: {why}")
-    drv = fetch("550")
-    from realmachine import real_machine
-
-    m = real_machine(tmp_path, drv)
-    simulated_nvml(m)
+    m = debian_machine(tmp_path)
     simnvml.set_reading(m, nvml_reading)
     degraded_node(cli, m, fault, "skip")
     with plugin_on(binary, api, m, tmp_path, nodes=spec_nodes(m)) as node:
@@ -363,7 +362,7 @@ def test_a_pod_allocated_the_renumbered_gpu_under_skip_gets_that_gpus_node(
         assert node.plugin.wait(0) is None, node.plugin.output()
     gpus = {d for d in result["devices"] if d.removeprefix("nvidia").isdigit()}
     assert gpus == {"nvidia3"} and "nvidiactl" in result["devices"], result
-    gaps = [g for g in pod.missing(result, drv.version)
+    gaps = [g for g in pod.missing(result, m.version)
             if g != "/dev/nvidia0 and /dev/nvidiactl"]
     assert gaps == [], result
 

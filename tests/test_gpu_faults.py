@@ -32,22 +32,6 @@ from test_run import codes, load_spec
 pytestmark = needs_root
 
 
-@pytest.fixture(params=simnvml.READINGS)
-def reading(request: pytest.FixtureRequest) -> str:
-    value: str = request.param
-    return value
-
-
-@pytest.fixture
-def four(tmp_path: Path, reading: str) -> simgpu.SimMachine:
-    m = simgpu.make_machine(tmp_path / "root")
-    for minor in (2, 3):
-        simnvml.add_gpu(m, minor)
-    simnvml.set_reading(m, reading)
-    m.write_config()
-    return m
-
-
 def unusable(report: dict[str, Any]) -> list[tuple[int, str | None, int, str | None]]:
     return [(g["index"], g["device"], g["nvml_error"], g["query"])
             for g in report["gpus"]["unusable"]]

@@ -33,25 +33,6 @@ from test_run import codes, load_spec, snapshot
 pytestmark = needs_root
 
 
-@pytest.fixture(params=simnvml.READINGS)
-def reading(request: pytest.FixtureRequest) -> str:
-    value: str = request.param
-    return value
-
-
-@pytest.fixture
-def four(tmp_path: Path, reading: str) -> simgpu.SimMachine:
-    """Four GPUs in NVML mode (the product's default, no --mode), NVML read as
-    ``reading``."""
-    m = simgpu.make_machine(tmp_path / "root")
-    for minor in (2, 3):
-        simnvml.add_gpu(m, minor)
-    simnvml.set_reading(m, reading)
-    m.write_config()
-    assert len(m.nvml_gpus) == 4
-    return m
-
-
 def check_json(cli: Cli, m: simgpu.SimMachine) -> dict[str, Any]:
     report: dict[str, Any] = _check_json(cli, m)
     return report
