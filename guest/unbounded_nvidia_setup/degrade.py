@@ -16,12 +16,13 @@ nodes, the usable GPUs' nodes, and the access caps of their MIG devices.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from . import log
 from .config import Machine, load_yaml
-from .gpus import NodeGpus, edits, mig_cap_minors, node_path_minor, served_minors, warnings
+from .gpus import NodeGpus, edits, node_path_minor, read_small, served_minors, warnings
 from .log import die
 from .run import Result
 
@@ -35,6 +36,7 @@ Narrowing = tuple[set[int], set[int]]
 CONTROL = frozenset({"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                      "/dev/nvidia-modeset"})
 _CAP = "/dev/nvidia-caps/nvidia-cap"
+CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
 
 
 def degrade(machine: Machine, failed: Result, generate: Generate,
@@ -92,6 +94,33 @@ def _serves(written: Callable[[], bytes], minors: set[int]) -> bool:
     except Exception:  # any unreadable spec is "not what was asked"
         return False
     return served_minors(doc) == minors
+
+
+def mig_cap_minors(machine: Machine, minor: int) -> set[int]:
+    """The minors of the GPU's MIG access caps (/dev/nvidia-caps/nvidia-cap<M>) that
+    exist now: each GPU and compute instance's `access` file says its DeviceFileMinor."""
+    mig = machine.at(f"{CAPABILITIES_DIR}/gpu{minor}/mig")
+    found: set[int] = set()
+    try:
+        with os.scandir(mig) as entries:
+            gis = [e.path for e in entries
+                   if e.name.startswith("gi") and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return found
+    for gi in gis:
+        files = [f"{gi}/access"]
+        try:
+            with os.scandir(gi) as inner:
+                files += [f"{e.path}/access" for e in inner
+                          if e.name.startswith("ci") and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for path in files:
+            for line in read_small(path).splitlines():
+                key, _, value = line.partition(":")
+                if key == "DeviceFileMinor" and value.strip().isdigit():
+                    found.add(int(value))
+    return found
 
 
 def keeps(path: str, minors: set[int], caps: set[int]) -> bool:

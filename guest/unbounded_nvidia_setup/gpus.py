@@ -16,13 +16,10 @@ the machine reads the host kernel's. A GPU excluded on the host (NVreg_ExcludedG
 listed with "GPU Excluded: Yes" and a placeholder UUID, and NVML does not enumerate it:
 NVML's indices are the positions of the other GPUs in PCI bus order.
 
-A GPU is unusable when any per-device call NVIDIA's nvidia-ctk makes in NVML mode fails
-for it, or does not answer within `nvml_gpu_timeout_seconds` (nvml.py asks those calls,
-degrade.py serves the others). MIG: NVML mode lists a MIG-enabled GPU as its MIG
-devices, never as a full GPU, and a MIG-enabled GPU without MIG devices not at all.
-
-Imported on every boot (the record, the end-state proof's `served`): plain classes and
-str methods only, no dataclass, no regular expression, no import beyond `os`.
+A GPU is unusable when any per-device call nvidia-ctk's NVML mode makes fails for it, or
+does not answer within `nvml_gpu_timeout_seconds` (nvml.py asks, degrade.py serves the
+others). Imported on every boot (the record, `served`): plain classes and str methods
+only, no dataclass, no regular expression, no import beyond `os`.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ if TYPE_CHECKING:
     from .problems import Problem
 
 GPUS_DIR = "/proc/driver/nvidia/gpus"
-CAPABILITIES_DIR = "/proc/driver/nvidia/capabilities"
 RELOAD = "`systemctl reload unbounded-nvidia-setup`"
 RESTART = "`systemctl restart unbounded-nvidia-setup`"
 
@@ -340,50 +336,6 @@ def fingerprint(machine: Machine) -> str:
     for bus in buses:
         crc = zlib.crc32(f"{bus}\0{read_small(f'{top}/{bus}/information')}\0".encode(), crc)
     return f"{len(buses)}-{crc:08x}"
-
-
-def same_bus(a: str | None, b: str | None) -> bool:
-    """PCI bus ids equal whatever the domain's width: NVML writes 00000000:17:00.0, the
-    module's directory 0000:17:00.0."""
-    if a is None or b is None:
-        return False
-    try:
-        return _bus_tuple(a) == _bus_tuple(b)
-    except ValueError:
-        return False
-
-
-def _bus_tuple(value: str) -> tuple[int, int, int, int]:
-    domain, bus, rest = value.strip().lower().split(":")
-    device, function = rest.split(".")
-    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
-
-
-def mig_cap_minors(machine: Machine, minor: int) -> set[int]:
-    """The minors of the GPU's MIG access caps (/dev/nvidia-caps/nvidia-cap<M>) that
-    exist now: each GPU and compute instance's `access` file says its DeviceFileMinor."""
-    mig = machine.at(f"{CAPABILITIES_DIR}/gpu{minor}/mig")
-    found: set[int] = set()
-    try:
-        with os.scandir(mig) as entries:
-            gis = [e.path for e in entries
-                   if e.name.startswith("gi") and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return found
-    for gi in gis:
-        files = [f"{gi}/access"]
-        try:
-            with os.scandir(gi) as inner:
-                files += [f"{e.path}/access" for e in inner
-                          if e.name.startswith("ci") and e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue
-        for path in files:
-            for line in read_small(path).splitlines():
-                key, _, value = line.partition(":")
-                if key == "DeviceFileMinor" and value.strip().isdigit():
-                    found.add(int(value))
-    return found
 
 
 # ------------------------------------------------------------------------ a spec's walk

@@ -134,7 +134,7 @@ def ask(machine: Machine) -> NodeGpus | None:
 def assess(machine: Machine, answer: NodeGpus) -> NodeGpus | None:
     """NVML's answers matched with the kernel's GPUs; None when every GPU answered
     (nothing here explains the failure)."""
-    from .gpus import fingerprint, kernel_gpus, same_bus
+    from .gpus import fingerprint, kernel_gpus
 
     failed = answer.unusable
     if not failed:
@@ -156,6 +156,23 @@ def assess(machine: Machine, answer: NodeGpus) -> NodeGpus | None:
     answer.serves = answer.node_error is None and bool(answer.serve_minors())
     answer.kernel = fingerprint(machine)
     return answer
+
+
+def same_bus(a: str | None, b: str | None) -> bool:
+    """PCI bus ids equal whatever the domain's width: NVML writes 00000000:17:00.0, the
+    module's directory 0000:17:00.0."""
+    if a is None or b is None:
+        return False
+    try:
+        return _bus_tuple(a) == _bus_tuple(b)
+    except ValueError:
+        return False
+
+
+def _bus_tuple(value: str) -> tuple[int, int, int, int]:
+    domain, bus, rest = value.strip().lower().split(":")
+    device, function = rest.split(".")
+    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
 
 
 # ----------------------------------------------------------------------------- child
