@@ -43,7 +43,10 @@ bench: venv deps
 VERSION := $(shell sed -n 's/^version *= *"\(.*\)"$$/\1/p' pyproject.toml)
 DIST := dist
 
-deb: deps
+# Only the build dependencies (tests/install-deps build: Build-Depends, build-essential,
+# dpkg-dev), not the whole suite's.
+deb:
+	tests/install-deps build
 	packaging/build-deb "$(VERSION)" "$(DIST)"
 
 clean:
