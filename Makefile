@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: all venv deps demo test lint unit clean deb bench
+.PHONY: all venv deps demo test lint unit clean deb bench rehearsal rehearsal-clean rehearsal-shell
 
 all: test
 
@@ -48,6 +48,25 @@ DIST := dist
 deb:
 	tests/install-deps build
 	packaging/build-deb "$(VERSION)" "$(DIST)"
+
+# A GPU node machine booted in systemd-nspawn without a GPU (root; docs/packaging.md,
+# "Rehearsal"): the trixie rootfs, this .deb, a simulated driver; shows the gating and
+# check's verdicts through late staging, a restart and a reload, and leaves the machine
+# running. NVIDIA's nvidia-ctk from ../shared when it is there (NVIDIA_CTK= for the
+# suite's stand-in).
+REHEARSAL_DIR := /var/lib/unbounded-nvidia-setup-rehearsal
+NVIDIA_CTK := $(abspath $(wildcard ../shared/nvidia-container-toolkit/bin/nvidia-ctk))
+
+rehearsal: venv deb
+	tests/install-deps rehearsal
+	UNB_TEST_NVIDIA_CTK="$(NVIDIA_CTK)" PYTHONPATH=tests $(BIN)/python -m boot.rehearsal \
+		--dir "$(REHEARSAL_DIR)" --deb "$(DIST)/unbounded-nvidia-setup_$(VERSION)_all.deb"
+
+rehearsal-shell: venv
+	PYTHONPATH=tests $(BIN)/python -m boot.rehearsal --dir "$(REHEARSAL_DIR)" --shell
+
+rehearsal-clean: venv
+	PYTHONPATH=tests $(BIN)/python -m boot.rehearsal --dir "$(REHEARSAL_DIR)" --clean
 
 clean:
 	rm -rf $(VENV) build dist debian .mypy_cache .ruff_cache .pytest_cache

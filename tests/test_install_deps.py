@@ -68,6 +68,7 @@ def test_make_test_installs_every_set() -> None:
     everything = set(listed())
     assert set(listed("build")) <= everything
     assert set(listed("demo")) <= everything
+    assert set(listed("rehearsal")) <= everything
     assert everything >= TEST_ONLY
 
 

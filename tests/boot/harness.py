@@ -73,6 +73,11 @@ def _has_overlayfs() -> bool:
                           timeout=30).returncode == 0
 
 
+def missing_requirements() -> list[str]:
+    """What keeps boot tests (and ``make rehearsal``) from running here; empty: nothing."""
+    return _missing_requirements()
+
+
 def require_boot_support() -> None:
     """Skip (or fail when $CI is set) unless boot tests can run here."""
     problems = _missing_requirements()

@@ -351,6 +351,20 @@ class Machine:
             with contextlib.suppress(OSError):
                 os.rmdir(f"/run/systemd/nspawn/propagate/{self.name}")
 
+    def detach(self) -> tuple[int, int]:
+        """Leave the machine running after this process ends (``make rehearsal``): no
+        stop at exit or in :meth:`close`. Returns (nspawn's PID, the guest's PID 1), what
+        :func:`stop_detached` needs to stop it later, from any process."""
+        if self._proc is None or self.leader is None or not self.running:
+            raise BootError(f"{self.name} is not running")
+        pid, leader = self._proc.pid, self.leader
+        _RUNNING.discard(self)
+        self._proc = None  # close() and the atexit hook leave it alone from here on
+        if self._log_fh is not None:
+            self._log_fh.close()  # nspawn keeps its own descriptor of the console log
+            self._log_fh = None
+        return pid, leader
+
     def reboot(self) -> None:
         """Power off and boot the same rootfs again (a host reboot, as the guest sees it)."""
         self.close()
@@ -457,6 +471,53 @@ class Machine:
 
         return wait_until(guarded, timeout=timeout, what=f"{self.name}: {what}",
                           interval=interval, describe=describe if units else None)
+
+
+def is_nspawn_of(pid: int, name: str) -> bool:
+    """Whether ``pid`` is (still) the systemd-nspawn that runs machine ``name``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return (_alive(pid) and any(a.endswith(b"systemd-nspawn") for a in argv[:1])
+            and name.encode() in argv)
+
+
+def stop_detached(nspawn_pid: int, leader: int, name: str,
+                  timeout: float = POWEROFF_TIMEOUT) -> bool:
+    """Stop a machine that :meth:`Machine.detach` left running, from any process, with
+    :meth:`Machine.poweroff`'s steps: ``systemctl poweroff`` in the guest, SIGRTMIN+4 to
+    its systemd, SIGKILL to its PID 1 and to nspawn's session. False when nothing of it
+    was running any more (PIDs that now belong to other processes are left alone)."""
+    if not is_nspawn_of(nspawn_pid, name):
+        return False
+
+    def gone(wait: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not _alive(nspawn_pid), timeout=wait, what="nspawn gone",
+                       interval=0.1)
+        return not _alive(nspawn_pid)
+
+    guest = leader in _guest_inits(nspawn_pid)
+    if guest:
+        with contextlib.suppress(Exception):
+            subprocess.run(["nsenter", "--target", str(leader), "--all", "--", "systemctl",
+                            "poweroff", "--no-block"], env=GUEST_ENV, timeout=10,
+                           capture_output=True, stdin=subprocess.DEVNULL, check=False)
+    if not gone(timeout if guest else 0.1) and guest:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(leader, signal.SIGRTMIN + 4)
+        if not gone(SIGNAL_TIMEOUT):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leader, signal.SIGKILL)
+    if not gone(SIGNAL_TIMEOUT):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(nspawn_pid, signal.SIGKILL)  # started in its own session
+        gone(SIGNAL_TIMEOUT)
+    with contextlib.suppress(OSError):
+        os.rmdir(f"/run/systemd/nspawn/propagate/{name}")
+    return True
 
 
 @contextlib.contextmanager
