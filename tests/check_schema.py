@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA_FILE = REPO / "docs" / "check.schema.json"
 PRODUCT = REPO / "guest" / "unbounded_nvidia_setup"
 PROBLEMS_DOC = REPO / "docs" / "problems.md"
-VERDICTS = ("ready", "degraded", "no-usable-gpu", "no-gpu", "not-ready-yet", "broken")
+VERDICTS = ("ready", "degraded", "no-usable-gpu", "no-gpu", "not-ready-yet", "broken",
+            "image")
 
 
 def load_schema(path: Path = SCHEMA_FILE) -> dict[str, Any]:
@@ -78,13 +79,16 @@ def parse_check(stdout: str, code: int | None = None,
     """The object `check --json` printed, validated against the schema and against the
     rules the schema cannot state: exit status 0 exactly when ok, 3 when degraded
     (serving fewer GPUs), 4 when no-usable-gpu, else 1; ok exactly when there are no
-    problems and the verdict is ready or no-gpu."""
+    problems (nor pending ones) and the verdict is ready, no-gpu or image."""
     report: dict[str, Any] = json.loads(stdout)
     validate(report, schema_file)
     ok = report["ok"]
-    assert ok == (report["problems"] == []), report
-    assert (report["verdict"] in ("ready", "no-gpu")) == ok, report
-    assert (report["verdict"] == "no-gpu") == (ok and not report["gpu"]), report
+    assert ok == (report["problems"] == [] and report.get("pending", []) == []), report
+    # Nothing pending without a cause first (issue 36).
+    assert report["problems"] or not report.get("pending"), report
+    assert (report["verdict"] in ("ready", "no-gpu", "image")) == ok, report
+    assert (report["verdict"] == "no-gpu") == (
+        ok and not report["gpu"] and report["verdict"] != "image"), report
     if code is not None:
         assert code == (0 if ok else {"degraded": 3, "no-usable-gpu": 4}.get(
             report["verdict"], 1)), (code, report)

@@ -236,7 +236,7 @@ def test_the_run_refuses_to_install_a_spec_that_carries_a_channel(tmp_path: Path
     machine = Machine.create(m.root, load_config(m.root, None)[0])
     data = yaml.safe_dump(with_channel(m, path, "all")).encode()
     with pytest.raises(Failure, match=f"names IMEX channel {path!r}.*it was not installed"):
-        cdi.validate(machine, data, m.version, ())
+        cdi.validate(machine, data, m.version, (), cdi.kept(True, True))
 
 
 def test_an_imex_channel_of_another_major_is_found(tmp_path: Path, cli: Cli) -> None:

@@ -73,6 +73,16 @@ def device_failure(result: Result) -> bool:
     return not result.ok and any(word in result.stderr for word in FAILURE_WORDS)
 
 
+def kept(had_root: bool, had_spec: bool) -> str:
+    """What a failed run leaves live, in the words of its one error line: "kept" only
+    where there was something to keep."""
+    if had_root:
+        return ("the previous driver root and spec were kept" if had_spec else
+                "the previous driver root was kept (there was no spec)")
+    return ("nothing was installed: there was no driver root before this run"
+            + (", and the spec from before it was kept" if had_spec else ""))
+
+
 def chooses_devices(args: tuple[str, ...]) -> bool:
     """The config's nvidia_ctk_args choose the devices or the mode themselves: a GPU
     NVML cannot use is then theirs to leave out."""
@@ -106,6 +116,9 @@ class Generator:
             die(f"cannot create {self.work}: {e.strerror}", hint="/run must be writable for root")
         self.running: list[Started] = []
         self.early: Started | None = None
+        # What a failure leaves live, known before anything changes.
+        self.kept = kept(machine.driver_root.is_dir() and not machine.driver_root.is_symlink(),
+                         machine.cdi_spec.exists())
         # The node's GPUs as NVML answered by index, when a GPU failed the generate
         # (degrade.py); None on a healthy node.
         self.gpus: NodeGpus | None = None
@@ -166,8 +179,8 @@ class Generator:
             result = served
         if not result.ok:
             die(f"nvidia-ctk cdi generate failed ({result.why()})",
-                hint="the previous driver root and spec were kept; its errors and warnings "
-                     "are in the journal above this line")
+                hint=f"{self.kept}; nvidia-ctk's errors and warnings are in the journal "
+                     "(journalctl -u unbounded-nvidia-setup)")
         data = self.output()
         if narrowing is not None:
             from .degrade import narrowed
@@ -180,11 +193,11 @@ class Generator:
             from . import imex
 
             data = imex.without_channels(self.machine, data)
-        validate(self.machine, data, driver_version, helpers)
+        validate(self.machine, data, driver_version, helpers, self.kept)
         if self.gpus is not None:
             from .degrade import check_served
 
-            check_served(self.gpus, data)
+            check_served(self.gpus, data, self.kept)
         return data
 
     def output(self) -> bytes:
@@ -205,37 +218,35 @@ class Generator:
 
 
 def validate(machine: Machine, data: bytes, driver_version: str,
-             helpers: tuple[str, ...]) -> None:
+             helpers: tuple[str, ...], kept: str) -> None:
     import yaml
 
     try:
         doc = load_yaml(data)
     except yaml.YAMLError:
         die("nvidia-ctk wrote a spec that is not valid YAML; it was not installed",
-            hint="check the NVIDIA Container Toolkit version")
+            hint=f"{kept}; check the NVIDIA Container Toolkit version")
     problems = spec_problems(doc, machine, codes=SPEC_CODES, where="generated spec", kind=KIND,
                              version=driver_version, helpers=helpers)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         die(f"{problems[0].message}{more}; it was not installed",
-            hint="the previous driver root and spec were kept; check the NVIDIA Container "
-                 "Toolkit version")
+            hint=f"{kept}; check the NVIDIA Container Toolkit version")
 
 
-def install(machine: Machine, data: bytes) -> bool:
+def install(machine: Machine, data: bytes, kept: str) -> bool:
     path = machine.cdi_spec
     try:
         changed = write_atomically(path, data)
     except OSError as e:
         die(f"cannot install the CDI spec {path}: {e.strerror}",
-            hint=f"make {path.parent} writable for root; the previous driver root and spec "
-                 "were kept")
+            hint=f"make {path.parent} writable for root; {kept}")
     if changed:
         log.info(f"installed {path}")
     return changed
 
 
-def uninstall(machine: Machine) -> bool:
+def uninstall(machine: Machine, kept: str) -> bool:
     """Remove the installed spec (NVML can use no GPU); True when there was one."""
     path = machine.cdi_spec
     try:
@@ -244,8 +255,7 @@ def uninstall(machine: Machine) -> bool:
         return False
     except OSError as e:
         die(f"cannot remove the CDI spec {path}: {e.strerror}",
-            hint=f"make {path.parent} writable for root; the previous driver root and spec "
-                 "were kept")
+            hint=f"make {path.parent} writable for root; {kept}")
     log.info(f"removed {path}: no GPU of this node is usable")
     return True
 

@@ -10,15 +10,29 @@ from . import log
 from .config import Machine
 from .gpus import status_lines
 from .outcome import when, when_at
+from .problems import Problem
 from .state import Report
 
 
 def render_text(report: Report) -> str:
-    """`check`: a line per problem, then the outcome and the verdict."""
-    lines = [f"{p.code}: {log.one_line(p.message)}" for p in report.problems]
-    lines.append("ok" if report.ok else f"{len(report.problems)} problems")
+    """`check`: a line per problem, the cause of a wait first; what a pending setup
+    rebuilds in one line; then the outcome and the verdict."""
+    causes, pending = report.causes()
+    lines = [f"{p.code}: {log.one_line(p.message)}" for p in causes]
+    if pending:
+        lines.append(_pending_line(pending))
+    lines.append("ok" if report.ok else f"{len(causes)} problems")
     lines.append(f"verdict: {report.verdict}")
     return "\n".join(lines)
+
+
+def _pending_line(pending: list[Problem]) -> str:
+    counts: dict[str, int] = {}
+    for p in pending:
+        counts[p.code] = counts.get(p.code, 0) + 1
+    codes = ", ".join(c if n == 1 else f"{c} x{n}" for c, n in counts.items())
+    return (f"pending: what the setup rebuilds when it runs ({codes}): not to act on "
+            "while it waits")
 
 
 def render_json(report: Report) -> str:
@@ -27,10 +41,14 @@ def render_json(report: Report) -> str:
 
 
 def _setup_line(machine: Machine, report: Report) -> str:
+    """The unit's state as `systemctl status` tells it, when systemd answered: active,
+    activating with what it waits for (its own STATUS=, how long included) or the retry
+    it is due, failed; else what the lock says."""
+    unit = report.unit.describe() if report.unit is not None else None
     if report.setup_running:
-        return (f"in progress (a run or clean holds {machine.lock_file}): the state below "
-                "may be changing; ask again when it ends")
-    return "not running"
+        return (unit or "in progress") + (f" (a run or clean holds {machine.lock_file}: the "
+                                          "state below may be changing)")
+    return unit or "not running"
 
 
 def _last_run_line(report: Report) -> str:
@@ -87,6 +105,9 @@ def render_status(machine: Machine, report: Report) -> str:
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "
                      "driver installation is damaged)")
         lines += [f"  {left.path}: {left.reason}" for left in report.left_out]
-    lines.append(f"Problems:       {len(report.problems) or 'none'}")
-    lines += [f"  [{p.code}] {p.message}" for p in report.problems]
+    causes, pending = report.causes()
+    lines.append(f"Problems:       {len(causes) or 'none'}")
+    lines += [f"  [{p.code}] {p.message}" for p in causes]
+    if pending:
+        lines.append(f"  {_pending_line(pending)}")
     return "\n".join(lines)

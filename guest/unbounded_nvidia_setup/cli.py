@@ -32,8 +32,8 @@ def _guarded(action: Callable[[], T]) -> T:
         return action()
     except Failure as e:
         log.error(e.message)
-        if os.environ.get("NOTIFY_SOCKET"):
-            log.status(f"Failed: {e.message}")
+        # STATUS= only: the journal has the line already.
+        log.status(f"Failed: {e.message}", journal=False)
         sys.exit(e.code)
     except KeyboardInterrupt:
         sys.exit(130)
@@ -104,11 +104,15 @@ def check(args: argparse.Namespace) -> int:
         with shared_or_busy(machine) as busy:
             report = collect_beside(machine, busy)
         report.unit = unit_state(machine)
+        changed = True
         if args.metrics:
             from .metrics import write_check
 
-            write_check(machine, report, time.time())
-        print(render_json(report) if args.as_json else render_text(report))
+            changed = write_check(machine, report, time.time())
+        # The drift check's tick (stdout the journal) says nothing when nothing changed
+        # since the last check; a person or a host agent always gets the report.
+        if changed or args.as_json or not log.is_journal(sys.stdout):
+            print(render_json(report) if args.as_json else render_text(report))
         verdict = report.verdict
         if args.reload_if_degraded and verdict in (DEGRADED, NO_USABLE_GPU):
             _reload_if_due(machine, report)
@@ -138,14 +142,26 @@ def _reload_if_due(machine: Machine, report: Report) -> None:
 def status(args: argparse.Namespace) -> int:
     from .check import render_status
     from .lock import shared_or_busy
-    from .state import collect_beside
+    from .state import collect_beside, unit_state
 
     def action() -> None:
-        machine = _machine(args)
+        try:
+            machine = _machine(args)
+        except Failure as e:
+            # A summary exits 0 whatever it finds (README), a broken config included:
+            # that is a line of it, beside what systemd says of the unit.
+            from .config import Config
+
+            unit = unit_state(Machine(root=args.root or Path("/"), config=Config(),
+                                      arch=os.uname().machine))
+            print(f"Config:         {log.one_line(e.message)}\n"
+                  f"Setup:          {unit.describe() if unit is not None else 'not running'}")
+            return
         # Like `check`, never waits behind a run: a person asking during a boot's setup
         # is told now that one is in progress, not after lock_timeout_seconds.
         with shared_or_busy(machine) as busy:
             report = collect_beside(machine, busy)
+        report.unit = unit_state(machine)
         print(render_status(machine, report))
 
     _guarded(action)

@@ -168,7 +168,7 @@ def narrowed(data: bytes, minors: set[int], caps: set[int]) -> bytes:
     return text.encode()
 
 
-def check_served(found: NodeGpus, data: bytes) -> None:
+def check_served(found: NodeGpus, data: bytes, kept: str) -> None:
     """A degraded spec serves exactly the usable GPUs: never an unusable one."""
     served = served_minors(load_yaml(data))
     want = found.serve_minors()
@@ -176,5 +176,4 @@ def check_served(found: NodeGpus, data: bytes) -> None:
         names = ", ".join(f"/dev/nvidia{n}" for n in sorted(served ^ want))
         die(f"the spec nvidia-ctk wrote for the usable GPUs serves other GPUs than them "
             f"({names}); it was not installed",
-            hint="the previous driver root and spec were kept; check the NVIDIA "
-                 "Container Toolkit version")
+            hint=f"{kept}; check the NVIDIA Container Toolkit version")

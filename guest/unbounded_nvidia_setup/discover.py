@@ -189,6 +189,8 @@ class Scan:
     links: list[Link] = field(default_factory=list)
     helpers: list[Staged] = field(default_factory=list)
     firmware: list[tuple[str, Staged]] = field(default_factory=list)  # (version, file)
+    # (path, why) of driver-named entries left out before planning: the caller says so
+    ignored: list[tuple[str, str]] = field(default_factory=list)
 
 
 def is_library_name(name: str, extra_prefixes: tuple[str, ...] = ()) -> bool:
@@ -234,7 +236,7 @@ def scan(machine: Machine, dirs: list[Path]) -> Scan:
                     continue
                 relative = f"{subdir}/{name}" if subdir else name
                 if not SAFE_NAME.fullmatch(name):
-                    log.warn(f"ignoring {base / relative}: not a plain file name")
+                    result.ignored.append((str(base / relative), "not a plain file name"))
                     continue
                 target = resolve_inside_staging(root, base, relative)
                 if target is None:

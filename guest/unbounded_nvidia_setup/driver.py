@@ -13,12 +13,17 @@ def _inspect_all(staged: list[Staged]) -> list[Inspected]:
     return [i for s in staged if (i := discover.inspect(s)) is not None]
 
 
-def plan_from_staging(machine: Machine, dirs: list[Path], module_version: str | None) -> plan.Plan:
+def plan_from_staging(machine: Machine, dirs: list[Path], module_version: str | None, *,
+                      say: bool = True) -> plan.Plan:
+    """The plan the staging calls for. `say`: log what it leaves out, once per run; `check`
+    and `status` (False) report it instead (Plan.left_out), so a drift check's tick
+    writes nothing to the journal for a staging that did not change."""
+    info, warn = (log.info, log.warn) if say else (log.debug, log.debug)
     found = discover.scan(machine, dirs)
     version = plan.driver_version(module_version, found.libraries, found.links)
     stale = plan.stale_versions(version, found.libraries)
     if stale:
-        log.info(f"leaving out stale driver files of {', '.join(sorted(stale))}")
+        info(f"leaving out stale driver files of {', '.join(sorted(stale))}")
     libraries = _inspect_all(plan.drop_stale(found.libraries, stale))
     for item in libraries:
         elf = item.elf
@@ -33,10 +38,11 @@ def plan_from_staging(machine: Machine, dirs: list[Path], module_version: str | 
     plan.check_required(libraries, version, machine.arch)
     selection = plan.select_libraries(libraries, found.links, version, machine.arch,
                                       machine.config.extra_library_prefixes)
-    for left in selection.left_out:
-        log.warn(f"ignoring {left.path}: {left.reason}")
+    left_out = [plan.LeftOut(path, why) for path, why in found.ignored] + selection.left_out
+    for left in left_out:
+        warn(f"ignoring {left.path}: {left.reason}")
     helpers = _inspect_all(found.helpers)
     firmware = [(v, i) for v, s in found.firmware
                 if v == version and (i := discover.inspect(s)) is not None]
     return plan.make_plan(selection.chosen, helpers, firmware, version, machine.arch,
-                          machine.libdir, selection.left_out)
+                          machine.libdir, tuple(left_out))

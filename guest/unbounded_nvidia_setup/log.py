@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -56,13 +56,18 @@ def stderr_is_journal() -> bool:
     descriptor itself is compared."""
     global _journal
     if _journal is None:
-        try:
-            dev, ino = (int(part) for part in os.environ["JOURNAL_STREAM"].split(":"))
-            st = os.fstat(sys.stderr.fileno())
-            _journal = (st.st_dev, st.st_ino) == (dev, ino)
-        except (KeyError, ValueError, OSError):
-            _journal = False
+        _journal = is_journal(sys.stderr)
     return _journal
+
+
+def is_journal(stream: TextIO) -> bool:
+    """Whether `stream` is the journal's stream that systemd named in JOURNAL_STREAM."""
+    try:
+        dev, ino = (int(part) for part in os.environ["JOURNAL_STREAM"].split(":"))
+        st = os.fstat(stream.fileno())
+    except (KeyError, ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def log(priority: int, message: str) -> None:
@@ -93,10 +98,12 @@ def debug(message: str) -> None:
     log(DEBUG, message)
 
 
-def status(message: str) -> None:
-    """Show progress in `systemctl status` (STATUS=) and log it."""
+def status(message: str, *, journal: bool = True) -> None:
+    """Show progress in `systemctl status` (STATUS=), and log it unless `journal` is False
+    (a line the journal already has, or a wait's every second)."""
     global _notifier
-    info(message)
+    if journal:
+        info(message)
     if not os.environ.get("NOTIFY_SOCKET"):
         return
     if _notifier is None:

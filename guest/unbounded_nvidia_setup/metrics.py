@@ -89,14 +89,24 @@ class RunRecord:
             write(self.machine, run=lines, check=check)
 
 
-def write_check(machine: Machine, report: Report, checked_at: float) -> None:
-    write(machine, run=None, check=_report_lines(report, checked_at))
+def write_check(machine: Machine, report: Report, checked_at: float) -> bool:
+    """Write the check's families; whether its problems (check_ok and the count of each
+    code) differ from the check's the file held before, True when that cannot be told:
+    the drift check's tick says nothing in the journal when they do not (cli.check)."""
+    lines = _report_lines(report, checked_at)
+    previous = write(machine, run=None, check=lines)
+    return previous is None or _problems(previous.splitlines()) != _problems(lines)
+
+
+def _problems(lines: list[str]) -> list[str]:
+    return sorted(line for line in lines
+                  if line.startswith((f"{PREFIX}check_problems{{", f"{PREFIX}check_ok ")))
 
 
 def _report_lines(report: Report, checked_at: float) -> list[str]:
     return list(_check_lines(report.gpu, report.driver_version, report.module_version,
                              report.sections.get("driver_root", {}),
-                             [p.code for p in report.problems], checked_at,
+                             [p.code for p in report.causes()[0]], checked_at,
                              len(report.left_out), report.sections.get("gpus", {})))
 
 
@@ -180,33 +190,36 @@ def _carried(text: str, group: str) -> list[str]:
 
 
 def write(machine: Machine, *, run: list[str] | None, check: list[str] | None,
-          reload: list[str] | None = None) -> None:
+          reload: list[str] | None = None) -> str | None:
     """Replace the file with `run`, `reload` and `check` lines, keeping the previous
-    file's lines for whichever is None. Never raises: metrics must not change a
+    file's lines for whichever is None; the previous file's text when it was read for
+    that (None: not read, or not written). Never raises: metrics must not change a
     command's outcome."""
     directory = machine.metrics_dir
     if directory is None:
-        return
+        return None
     try:
         dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return  # no node_exporter here: no file, no message
+        return None  # no node_exporter here: no file, no message
     except OSError as e:
         why = "it is a symlink" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
         log.warn(f"metrics not written: cannot open {directory} ({why}); "
                  "set metrics_dir to a real directory, or to '' to turn metrics off")
-        return
+        return None
     try:
-        _write_in(dirfd, {"run": run, "reload": reload, "check": check})
+        return _write_in(dirfd, {"run": run, "reload": reload, "check": check})
     except OSError as e:
         log.warn(f"metrics not written to {directory}/{FILE}: {e.strerror}; "
                  "node_exporter keeps the previous values")
+        return None
     finally:
         os.close(dirfd)
 
 
-def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> None:
+def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> str | None:
     _lock(dirfd)
+    previous = None
     if any(lines is None for lines in groups.values()):
         previous = _read_previous(dirfd)
         groups = {g: _carried(previous, g) if lines is None else lines
@@ -231,6 +244,7 @@ def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> None:
         os.unlink(_TMP, dir_fd=dirfd)
         raise
     os.fsync(dirfd)
+    return previous
 
 
 def _lock(dirfd: int) -> None:

@@ -21,6 +21,7 @@ from .verify import changed_copies, root_problems
 # Programs that hold the driver root open in pods: swapping under them is refused.
 CONSUMERS = ("containerd", "kubelet")
 _POLL = 1.0
+_SAY_AFTER = 10.0  # seconds of a wait before the journal hears of it again, then doubling
 
 
 def running_consumers(machine: Machine) -> list[str]:
@@ -48,10 +49,13 @@ def wait_for_staging(machine: Machine) -> list[Path]:
     wait = limit.seconds or 0.0
     start = time.monotonic()
     pattern = machine.at(machine.config.staging_glob)
+    said, next_said = "", _SAY_AFTER
     while True:
         dirs = discover.staging_dirs(machine)
         empty = [d for d in dirs if not discover.is_populated(d)]
         if dirs and not empty:
+            if said:
+                log.info(f"driver staging arrived after {time.monotonic() - start:.0f} s")
             return dirs
         waited = time.monotonic() - start
         what = f"{', '.join(map(str, empty))} empty" if empty else f"nothing at {pattern}"
@@ -60,7 +64,14 @@ def wait_for_staging(machine: Machine) -> list[Path]:
                 f"{limit.text()} ({what}){limit.because()}",
                 hint="the host agent must bind-mount its driver library directories; "
                      "systemd retries", code=EXIT_TEMPFAIL)
-        log.status(f"Waiting for driver staging ({what}, {waited:.0f} s of {limit.text()})")
+        # STATUS= every poll (`systemctl status` shows how long); the journal when the
+        # wait starts, when what it waits for changes, and at doubling intervals.
+        say = what != said or waited >= next_said
+        if waited >= next_said:
+            next_said *= 2
+        log.status(f"Waiting for driver staging ({what}, {waited:.0f} s of {limit.text()})",
+                   journal=say)
+        said = what
         time.sleep(min(_POLL, max(0.0, wait - waited)))
 
 
@@ -159,7 +170,8 @@ def _reconcile(machine: Machine, force: bool, record: RunRecord) -> None:
                 spec = generator.spec(plan.version, helpers)
                 linker.check_ldconfig(ldconfig.wait())
             record.gpus = generator.gpus or record.gpus
-            _install_and_prove(machine, undo, spec, want, record, plan.left_out)
+            _install_and_prove(machine, undo, spec, want, record, plan.left_out,
+                               generator.kept)
         except BaseException:
             undo.rollback()
             raise
@@ -241,7 +253,8 @@ def _refresh_spec(machine: Machine, record: RunRecord) -> None:
         record.gpus = generator.gpus or record.gpus
         undo = Undo(machine, previous_spec=_read_or_none(machine.cdi_spec))
         try:
-            changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out)
+            changed = _install_and_prove(machine, undo, spec, want, record, plan.left_out,
+                                         generator.kept)
         except BaseException:
             undo.rollback()
             raise
@@ -258,7 +271,7 @@ def _read_or_none(path: Path) -> bytes | None:
 
 
 def _install_and_prove(machine: Machine, undo: Undo, spec: bytes | None, want: Manifest,
-                       record: RunRecord, left_out: tuple[LeftOut, ...]) -> bool:
+                       record: RunRecord, left_out: tuple[LeftOut, ...], kept: str) -> bool:
     """Install the validated spec and prove the end state (the last steps of `run` and of
     `run --spec-only`); True when the spec changed. The caller rolls back on failure.
     No spec (NVML can use no GPU): the previous one goes, as it serves GPUs that are
@@ -266,14 +279,15 @@ def _install_and_prove(machine: Machine, undo: Undo, spec: bytes | None, want: M
     # Set first: an install that fails after its rename (fsync of /etc/cdi) has already
     # replaced the spec.
     undo.spec_written = True
-    changed = cdi.install(machine, spec) if spec is not None else cdi.uninstall(machine)
+    changed = (cdi.install(machine, spec, kept) if spec is not None
+               else cdi.uninstall(machine, kept))
     cdi.remove_shadow(machine)
-    _verify_end_state(machine, want, record, left_out)
+    _verify_end_state(machine, want, record, left_out, undo.put_back())
     return changed
 
 
 def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
-                      left_out: tuple[LeftOut, ...]) -> None:
+                      left_out: tuple[LeftOut, ...], put_back: str) -> None:
     """Ready means `check` passes now: the live root, drop-in, linker cache and installed
     spec are checked with check's own invariants, after everything this run started
     (ldconfig, nvidia-ctk) has finished, so nothing can change them unseen."""
@@ -286,8 +300,8 @@ def _verify_end_state(machine: Machine, want: Manifest, record: RunRecord,
         first, more = wrong[0], len(wrong) - 1
         die(f"the live state is wrong after setup: [{first.code}] {first.message}"
             + (f" (and {more} more)" if more else ""),
-            hint="the previous driver root and spec were put back; systemd retries; "
-                 "`unbounded-nvidia-setup check` lists every problem")
+            hint=f"{put_back}; systemd retries; `unbounded-nvidia-setup check` lists every "
+                 "problem")
     record.report, record.checked_at = report, time.time()
 
 
@@ -301,6 +315,13 @@ class Undo:
         self.old: Path | None = None  # the previous generation, while it is kept
         self.new_dropin = False
         self.spec_written = False
+
+    def put_back(self) -> str:
+        """What the rollback will leave live, for the failure's line."""
+        if self.swapped and self.old is None:
+            return "what this run made was removed: there was no driver root before it"
+        return ("the previous driver root and spec were put back" if self.previous_spec
+                is not None else "the previous driver root was put back (there was no spec)")
 
     def rollback(self) -> None:
         machine = self.machine

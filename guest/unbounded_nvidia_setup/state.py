@@ -10,9 +10,9 @@ from typing import Any
 
 from . import devices, discover, driver, gpus, linker, outcome, searchorder, tree
 from .config import Machine, load_yaml
-from .log import Failure
+from .log import EXIT_TEMPFAIL, Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
-from .problems import SERVING_CODES, WAITING_CODES, Problem
+from .problems import REBUILT_CODES, SERVING_CODES, WAITING_CODES, Problem
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
 
@@ -25,11 +25,13 @@ UNIT = "unbounded-nvidia-setup.service"
 # `unusable`, `excluded` and `node_error`, and `last_reload` (issue 31); 3: the `gpus`
 # section's unusable GPUs' `query` and `timeout_seconds`, `served` counted from the
 # installed spec on every node, `plugin-spec-unusable-gpu`, and the device plugin spec
-# section's `written_at` and `gpus` (issue 35).
-SCHEMA_MINOR = 3
+# section's `written_at` and `gpus` (issue 35); 4: `pending`, the code `setup-pending`,
+# the unit section's `n_restarts`, `result` and `status_text`, the verdict `image` with
+# its section and the codes `image-unit-missing` and `image-unit-disabled` (issue 36).
+SCHEMA_MINOR = 4
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
-DEGRADED, NO_USABLE_GPU = "degraded", "no-usable-gpu"
-VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN)
+DEGRADED, NO_USABLE_GPU, IMAGE = "degraded", "no-usable-gpu", "image"
+VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN, IMAGE)
 # `check`'s exit status for `degraded`: serving, with fewer GPUs. Not 0 (a host agent
 # that reads only the status must not take it for healthy) and not 1: the drift check's
 # unit takes it for success (SuccessExitStatus=3), since a restart cannot mend it.
@@ -38,6 +40,39 @@ EXIT_DEGRADED = 3
 # for the same reason: a host agent that restarts the unit on 1 would stop every CPU pod
 # and mend nothing, and the drift check's unit takes it for success too.
 EXIT_NO_USABLE_GPU = 4
+
+
+class Unit:
+    """The setup unit as systemd shows it (`systemctl show`): a pending start or retry,
+    its restarts, its result, and its own last STATUS= (what it waits for, and how
+    long)."""
+
+    __slots__ = ("active", "restarts", "result", "status", "sub")
+
+    def __init__(self, props: dict[str, str]) -> None:
+        self.active = props.get("ActiveState", "")
+        self.sub = props.get("SubState", "")
+        restarts = props.get("NRestarts", "")
+        self.restarts = int(restarts) if restarts.isdigit() else 0
+        self.result = props.get("Result", "")
+        self.status = props.get("StatusText", "")
+
+    @property
+    def pending(self) -> bool:
+        """A start, or an automatic restart after a failure, is on its way."""
+        return self.active == "activating"
+
+    def describe(self) -> str:
+        """`activating (auto-restart), retry 3 pending: Failed: …`, as `systemctl
+        status` reads."""
+        state = f"{self.active} ({self.sub})"
+        if self.sub == "auto-restart":
+            state += f", retry {self.restarts + 1} pending"
+        elif self.active == "activating" and self.restarts:
+            state += f", retry {self.restarts}"
+        elif self.active == "failed" and self.result:
+            state += f", result {self.result}"
+        return f"{state}: {self.status}" if self.status else state
 
 
 @dataclass
@@ -50,12 +85,14 @@ class Report:
     # Live facts beside the files, set by `check`: a run or clean holds the lock right
     # now; the unit's ActiveState and SubState (None: systemd not reachable or not asked).
     setup_running: bool = False
-    unit: tuple[str, str] | None = None
+    unit: Unit | None = None
     # Staged libraries planning leaves out of the root (plan.LeftOut): not a problem (the
     # verdict ignores them), but a host whose driver installation is damaged.
     left_out: tuple[LeftOut, ...] = ()
     # How the last run ended (outcome.py), when check read it.
     last_run: outcome.Outcome | None = None
+    # A stopped image (`--root` without a kernel's view): only what it holds is checked.
+    image: bool = False
 
     @property
     def ok(self) -> bool:
@@ -66,28 +103,60 @@ class Report:
         """From the state just read, never from a remembered result. Problems are only
         "broken" when nothing is on its way to fixing them: no run holding the lock, no
         unit start (or retry) pending, staging that is there."""
+        if self.image:
+            return IMAGE if self.ok else BROKEN
         if self.ok:
             return READY if self.gpu else NO_GPU
-        in_progress = self.setup_running or (self.unit is not None
-                                             and self.unit[0] == "activating")
-        if in_progress or any(p.code in WAITING_CODES for p in self.problems):
+        if self.waiting:
             return NOT_READY_YET
         codes = {p.code for p in self.problems}
         if codes <= SERVING_CODES:
             return NO_USABLE_GPU if "no-usable-gpu" in codes else DEGRADED
         return BROKEN
 
+    @property
+    def waiting(self) -> bool:
+        """A setup is on its way: a run holds the lock, the unit's start or retry is
+        pending, or the host has not staged the driver or bound the devices yet."""
+        return (self.setup_running or (self.unit is not None and self.unit.pending)
+                or any(p.code in WAITING_CODES for p in self.problems))
+
+    def causes(self) -> tuple[list[Problem], list[Problem]]:
+        """(the problems to act on, the cause of a wait first; what a pending setup
+        rebuilds, which the last boot left). While nothing is pending, every problem is
+        a cause. While a start is pending and nothing else names why, the unit does."""
+        if not self.waiting:
+            return self.problems, []
+        pending = [p for p in self.problems if p.code in REBUILT_CODES]
+        causes = [p for p in self.problems if p.code not in REBUILT_CODES]
+        if pending and not any(p.code in WAITING_CODES | {"setup-failed"} for p in causes):
+            unit = f" ({self.unit.describe()})" if self.unit is not None else ""
+            if self.setup_running:
+                causes.append(Problem(
+                    "setup-running", f"a run holds the setup's lock{unit}: it is replacing "
+                    "what the last boot left; check again when it ends", UNIT))
+            else:
+                causes.append(Problem(
+                    "setup-pending", f"{UNIT}'s start is pending{unit}: what the last boot "
+                    "left is rebuilt when it runs; wait for it", UNIT))
+        first = ("staging-missing", "devices-not-bound", "setup-running", "setup-pending")
+        causes.sort(key=lambda p: first.index(p.code) if p.code in first else len(first))
+        return causes, pending
+
     def to_json(self) -> dict[str, Any]:
+        causes, pending = self.causes()
         out: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION, "schema_minor": SCHEMA_MINOR,
             "verdict": self.verdict, "ok": self.ok,
             "gpu": self.gpu, "driver_version": self.driver_version,
             "module_version": self.module_version, "setup_running": self.setup_running,
-            "problems": [asdict(p) for p in self.problems],
+            "problems": [asdict(p) for p in causes],
+            "pending": [asdict(p) for p in pending],
             "left_out": [left._asdict() for left in self.left_out], **self.sections}
         if self.unit is not None:
-            out["unit"] = {"name": UNIT, "active_state": self.unit[0],
-                           "sub_state": self.unit[1]}
+            out["unit"] = {"name": UNIT, "active_state": self.unit.active,
+                           "sub_state": self.unit.sub, "n_restarts": self.unit.restarts,
+                           "result": self.unit.result, "status_text": self.unit.status}
         last = self.last_run
         if last is not None and last.reload_exit_code is not None:
             out["last_reload"] = {"exit_code": last.reload_exit_code,
@@ -96,10 +165,10 @@ class Report:
         return out
 
 
-def unit_state(machine: Machine) -> tuple[str, str] | None:
-    """The setup unit's (ActiveState, SubState) from systemd, when this is the running
-    system and systemd is its init; None otherwise, and whenever systemctl cannot answer
-    (absent, hung, no bus): the verdict then rests on the files and the lock alone."""
+def unit_state(machine: Machine) -> Unit | None:
+    """The setup unit as systemd shows it, when this is the running system and systemd is
+    its init; None otherwise, and whenever systemctl cannot answer (absent, hung, no
+    bus): the verdict then rests on the files and the lock alone."""
     if not machine.is_live or not os.path.isdir("/run/systemd/system"):
         return None
     import shutil
@@ -111,14 +180,14 @@ def unit_state(machine: Machine) -> tuple[str, str] | None:
     if systemctl is None:
         return None
     try:
-        result = run([systemctl, "show", "--property=ActiveState,SubState", "--value", UNIT],
-                     limit=Limit(10), quiet=True)
+        result = run([systemctl, "show", "--property=ActiveState,SubState,NRestarts,Result,"
+                      "StatusText", UNIT], limit=Limit(10), quiet=True)
     except Failure:
         return None
-    lines = result.stdout.split("\n")
-    if not result.ok or len(lines) < 2 or not lines[0]:
+    props = dict(line.partition("=")[::2] for line in result.stdout.splitlines())
+    if not result.ok or not props.get("ActiveState"):
         return None
-    return lines[0].strip(), lines[1].strip()
+    return Unit(props)
 
 
 def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
@@ -157,8 +226,8 @@ def _check_root(machine: Machine, report: Report,
         code = "root-not-directory" if os.path.lexists(live) else "root-missing"
         report.problems.append(Problem(code, f"driver root {live} is missing or not a "
                                        "directory", str(live)))
-        if want is None:  # a first boot the run refuses: why, in the run's own words
-            _plan_staging(machine, report, missing_ok=True)
+        if want is None:  # why: staging not there yet, or refused in the run's words
+            _plan_staging(machine, report)
         return None, None
     versions = root_version(live, machine.libdir)
     sizes = [v[1] for v in have.values() if len(v) == 4]
@@ -208,11 +277,13 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
         dirs = discover.staging_dirs(machine)
         if not dirs or not all(discover.is_populated(d) for d in dirs):
             if not missing_ok:
-                report.problems.append(Problem("staging-missing", "driver staging is not "
-                                               "mounted: cannot compare the root with it",
-                                               machine.staging_parent))
+                report.problems.append(Problem(
+                    "staging-missing", f"driver staging is not mounted at "
+                    f"{machine.at(machine.config.staging_glob)}: the setup waits for the "
+                    "host agent to mount it, and builds the driver root from it then",
+                    machine.staging_parent))
             return None
-        staged = driver.plan_from_staging(machine, dirs, report.module_version)
+        staged = driver.plan_from_staging(machine, dirs, report.module_version, say=False)
     except Failure as e:
         report.problems.append(Problem("staging-invalid", e.message, machine.staging_parent))
         return None
@@ -264,10 +335,15 @@ def _check_last_run(machine: Machine, report: Report) -> None:
     # and what is live is the run's on record, which the files are checked against.
     if last is None or not last.failed:
         return
+    live = ("what is live is what the run before it left"
+            if machine.driver_root.is_dir() or machine.cdi_spec.exists()
+            else "no driver root or spec is live")
+    # Exit 75 is a wait that ran out (staging, devices, the lock), which systemd retries.
+    ended = ("gave up waiting" if last.exit_code == EXIT_TEMPFAIL else "failed")
     report.problems.append(Problem(
-        "setup-failed", f"the last `{last.command}` failed at {outcome.when(last)} (exit "
-        f"{last.exit_code}): {last.error or 'no error line recorded'}; what is live is "
-        "what the run before it left", str(machine.last_run)))
+        "setup-failed", f"the last `{last.command}` {ended} at {outcome.when(last)} (exit "
+        f"{last.exit_code}): {last.error or 'no error line recorded'}; {live}",
+        str(machine.last_run)))
 
 
 def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
@@ -313,6 +389,13 @@ def collect(machine: Machine, want: Manifest | None = None,
     `left_out` is what its plan left out, `found` what it found NVML cannot use), and
     the device plugin's spec, which the plugin rewrites after kubelet starts, is left
     out. Without, the GPUs are those of the last run's record."""
+    if want is None and not machine.is_live:
+        from . import image
+
+        if image.is_image(machine):
+            report = Report(gpu=False, driver_version=None, module_version=None, image=True)
+            report.sections["image"], report.problems = image.report(machine)
+            return report
     gpu = discover.has_gpu(machine)
     report = Report(gpu=gpu, driver_version=None, module_version=discover.module_version(machine),
                     left_out=left_out)

@@ -66,7 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hostcmd
 import rootfs
+from check_schema import parse_check
 
 import toolkit
 from .harness import (
@@ -170,16 +172,16 @@ class Walk:
         status = self.run("unbounded-nvidia-setup", "status")
         self.run("unbounded-nvidia-setup", "check")
         res = self.run("unbounded-nvidia-setup", "check", "--json", show=False)
-        try:
-            report = json.loads(res.stdout)
-        except ValueError:
-            report = {"verdict": None, "unparsed": res.stdout + res.stderr}
+        try:  # the suite's one parser: the schema and the exit status held against it
+            report = parse_check(res.stdout, res.returncode)
+        except (AssertionError, ValueError) as e:
+            report = {"verdict": None, "unparsed": f"{res.stdout}{res.stderr}\n{e}"}
         codes = sorted({str(p.get("code")) for p in report.get("problems") or []})
         self.out(f"  # unbounded-nvidia-setup check --json\n    verdict "
                  f"{report.get('verdict')}, exit {res.returncode}, problems: "
                  f"{', '.join(codes) or 'none'}")
         return Seen(step, units, report, res.returncode, status.returncode, jobs, at_us,
-                    dict(extra))
+                    dict(extra, status=status.stdout))
 
     def wait(self, probe: Callable[[], bool], what: str) -> None:
         self.m.wait_until(probe, timeout=STEP_TIMEOUT, what=what, interval=0.2,
@@ -249,7 +251,7 @@ def walk(m: Machine, out: Out = _print) -> list[Seen]:
         "setup reruns, they start again")
     before = {u: m.prop(u, "MainPID") for u in (CONTAINERD, KUBELET)}
     restarted = now_us()
-    res = w.run("systemctl", "restart", SETUP)
+    res = w.run(*hostcmd.in_guest(hostcmd.commands()["restart"]))
     w.wait(lambda: all(m.is_active(u) for u in NODE_UNITS), "setup, containerd, kubelet active")
     seen.append(w.look("restarted", restarted, command_exit=res.returncode,
                        pids_before=before))

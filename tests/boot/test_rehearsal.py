@@ -42,6 +42,23 @@ def test_rehearsal_shows_the_gate_and_is_torn_down(tmp_path: Path, product_deb: 
             assert s.status_exit == 0, name
         assert steps["waiting"].units[SETUP]["NRestarts"] == "0"
         assert int(steps["retrying"].units[SETUP]["NRestarts"]) >= 1
+        # What the operator and the host agent read meanwhile (issue 36): the staging
+        # the node waits for is the first problem, what the setup will build is pending
+        # apart, and `status` tells the unit's state as `systemctl status` does, with
+        # the retry and its own STATUS=.
+        for name in ("waiting", "retrying"):
+            s = steps[name]
+            assert s.check["problems"][0]["code"] == "staging-missing", (name, s.check)
+            assert not [p for p in s.check["problems"]
+                        if p["code"].startswith(("root-", "spec-", "ldconf-"))], s.check
+            assert "root-missing" in {p["code"] for p in s.check["pending"]}, s.check
+            setup = next(ln for ln in s.extra["status"].splitlines() if ln.startswith("Setup:"))
+            assert setup.split(None, 1)[1].startswith("activating ("), setup
+        waiting = steps["waiting"].check["unit"]
+        assert waiting["status_text"].startswith("Waiting for driver staging"), waiting
+        assert waiting["n_restarts"] == 0, waiting
+        assert "retry" in next(ln for ln in steps["retrying"].extra["status"].splitlines()
+                               if ln.startswith("Setup:"))
 
         # 2. The staging arrives: setup, then containerd, then kubelet; ready.
         s = steps["staged"]
