@@ -237,7 +237,9 @@ def test_a_stopped_image_is_checked_for_what_it_holds(tmp_path: Path, cli: Cli) 
     units = ("unbounded-nvidia-setup.service", "unbounded-nvidia-setup-check.service",
              "unbounded-nvidia-setup-check.timer",
              "containerd.service.d/10-unbounded-nvidia-setup.conf",
-             "kubelet.service.d/10-unbounded-nvidia-setup.conf")
+             "kubelet.service.d/10-unbounded-nvidia-setup.conf",
+             "nvidia-cdi-refresh.service.d/10-unbounded-nvidia-setup.conf",
+             "nvidia-cdi-refresh.path.d/10-unbounded-nvidia-setup.conf")
     for name in units:
         (system / name).parent.mkdir(parents=True, exist_ok=True)
         (system / name).write_text("[Unit]\n")
@@ -254,6 +256,9 @@ def test_a_stopped_image_is_checked_for_what_it_holds(tmp_path: Path, cli: Cli) 
     assert report["image"]["units"]["unbounded-nvidia-setup.service"] == "enabled"
     out = cli(image, "check")
     assert out.code == 0 and "verdict: image" in out.stdout, out.stdout
+    status = cli(image, "status").stdout
+    assert "a stopped machine (no /proc/devices)" in status, status
+    assert "  unbounded-nvidia-setup-check.timer: enabled" in status, status
     (system / "kubelet.service.d/10-unbounded-nvidia-setup.conf").unlink()
     out = cli(image, "check")
     assert out.code == 1 and "image-unit-missing" in out.stdout, out.stdout

@@ -21,7 +21,8 @@ def render_text(report: Report) -> str:
     lines = [f"{p.code}: {log.one_line(p.message)}" for p in causes]
     if pending:
         lines.append(_pending_line(pending))
-    lines.append("ok" if report.ok else f"{len(causes)} problems")
+    lines.append("ok" if report.ok else
+                 f"{len(causes)} problem{'' if len(causes) == 1 else 's'}")
     lines.append(f"verdict: {report.verdict}")
     return "\n".join(lines)
 
@@ -100,6 +101,11 @@ def render_status(machine: Machine, report: Report) -> str:
             f"Device plugin:  {_plugin_line(plugin)}",
         ]
         lines += status_lines(report.sections.get("gpus", {}))
+    image = report.sections.get("image")
+    if image:
+        lines.append(f"Image:          {image['root']}, a stopped machine (no /proc/devices): "
+                     f"package {image['package'] or 'not installed by dpkg'}")
+        lines += [f"  {name}: {state}" for name, state in image["units"].items()]
     if report.left_out:
         lines.append(f"Left out:       {len(report.left_out)} staged "
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "

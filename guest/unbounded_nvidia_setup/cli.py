@@ -111,11 +111,12 @@ def check(args: argparse.Namespace) -> int:
             changed = write_check(machine, report, time.time())
         # The drift check's tick (stdout the journal) says nothing when nothing changed
         # since the last check; a person or a host agent always gets the report.
-        if changed or args.as_json or not log.is_journal(sys.stdout):
+        quiet = not (changed or args.as_json or not log.is_journal(sys.stdout))
+        if not quiet:
             print(render_json(report) if args.as_json else render_text(report))
         verdict = report.verdict
         if args.reload_if_degraded and verdict in (DEGRADED, NO_USABLE_GPU):
-            _reload_if_due(machine, report)
+            _reload_if_due(machine, report, quiet)
         if report.ok:
             return 0
         return {DEGRADED: EXIT_DEGRADED, NO_USABLE_GPU: EXIT_NO_USABLE_GPU}.get(verdict,
@@ -124,7 +125,7 @@ def check(args: argparse.Namespace) -> int:
     return _guarded(action)
 
 
-def _reload_if_due(machine: Machine, report: Report) -> None:
+def _reload_if_due(machine: Machine, report: Report, quiet: bool) -> None:
     from .drift import ask_for_reload, reload_due, reload_wait
     from .gpus import fingerprint
     from .outcome import when
@@ -134,9 +135,10 @@ def _reload_if_due(machine: Machine, report: Report) -> None:
         ask_for_reload(machine)
     elif last is not None:
         due = time.strftime("%H:%M:%S UTC", time.gmtime(last.last_attempt + reload_wait(last)))
-        log.info(f"the GPUs were last asked for at {when(last)}, {last.gpus.attempts} "
-                 f"reloads ago, and the kernel shows no change: the next reload is due at "
-                 f"{due}")
+        # A tick that changed nothing says nothing (the line is the same every tick).
+        (log.debug if quiet else log.info)(
+            f"the GPUs were last asked for at {when(last)}, {last.gpus.attempts} reloads "
+            f"ago, and the kernel shows no change: the next reload is due at {due}")
 
 
 def status(args: argparse.Namespace) -> int:

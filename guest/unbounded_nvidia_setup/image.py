@@ -25,7 +25,9 @@ PACKAGE = "unbounded-nvidia-setup"
 FILES = ("unbounded-nvidia-setup.service", "unbounded-nvidia-setup-check.service",
          "unbounded-nvidia-setup-check.timer",
          "containerd.service.d/10-unbounded-nvidia-setup.conf",
-         "kubelet.service.d/10-unbounded-nvidia-setup.conf")
+         "kubelet.service.d/10-unbounded-nvidia-setup.conf",
+         "nvidia-cdi-refresh.service.d/10-unbounded-nvidia-setup.conf",
+         "nvidia-cdi-refresh.path.d/10-unbounded-nvidia-setup.conf")
 ENABLED = (("unbounded-nvidia-setup.service", "multi-user.target"),
            ("unbounded-nvidia-setup-check.timer", "timers.target"))
 

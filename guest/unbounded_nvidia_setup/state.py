@@ -125,7 +125,10 @@ class Report:
         """(the problems to act on, the cause of a wait first; what a pending setup
         rebuilds, which the last boot left). While nothing is pending, every problem is
         a cause. While a start is pending and nothing else names why, the unit does."""
-        if not self.waiting:
+        # A unit systemd shows as neither starting nor retrying, with no run holding the
+        # lock, rebuilds nothing by itself (staging unmounted under an active unit).
+        idle = self.unit is not None and not self.unit.pending and not self.setup_running
+        if not self.waiting or idle:
             return self.problems, []
         pending = [p for p in self.problems if p.code in REBUILT_CODES]
         causes = [p for p in self.problems if p.code not in REBUILT_CODES]
