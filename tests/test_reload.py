@@ -44,10 +44,12 @@ def spec_names(m: simgpu.SimMachine) -> list[str]:
 
 
 def pretend_running(m: simgpu.SimMachine) -> None:
-    """containerd and kubelet as the tool sees running programs (/proc/<pid>/comm)."""
+    """containerd and kubelet as the tool sees their units run without systemd to ask:
+    processes in their units' cgroups."""
     for pid, comm in (("4242", "containerd"), ("4243", "kubelet")):
         (m.root / "proc" / pid).mkdir(parents=True)
         (m.root / "proc" / pid / "comm").write_text(f"{comm}\n")
+        (m.root / "proc" / pid / "cgroup").write_text(f"0::/system.slice/{comm}.service\n")
 
 
 @pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "management"])

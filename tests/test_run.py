@@ -361,6 +361,7 @@ def test_refuses_to_swap_under_running_containerd(m: simgpu.SimMachine, cli: Cli
     proc = m.root / "proc/4242"
     proc.mkdir(parents=True)
     (proc / "comm").write_text("containerd\n")
+    (proc / "cgroup").write_text("0::/system.slice/containerd.service\n")
     out = cli(m.root, "run")
     assert out.code == 1 and len(out.errors) == 1
     assert "systemctl restart unbounded-nvidia-setup" in out.errors[0]
@@ -440,6 +441,7 @@ def test_a_refused_run_keeps_the_older_agents_links(m: simgpu.SimMachine, cli: C
         proc = m.root / "proc/4242"
         proc.mkdir(parents=True)
         (proc / "comm").write_text("kubelet\n")
+        (proc / "cgroup").write_text("0::/system.slice/kubelet.service\n")
     else:
         shutil.copy(m.lib_dir / f"libcuda.so.{m.version}", m.root / "usr/lib/libcuda.so.1")
         conf = m.root / "etc/ld.so.conf.d/000-first.conf"

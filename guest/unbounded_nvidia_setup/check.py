@@ -83,7 +83,7 @@ def render_status(machine: Machine, report: Report) -> str:
     plugin = report.sections.get("device_plugin_spec")
     lines = [
         # First: while a run or clean holds the lock, what follows may be half replaced.
-        f"Setup:          {_setup_line(machine, report)}",
+        f"Setup:          {log.one_line(_setup_line(machine, report))}",
         f"Last run:       {_last_run_line(report)}",
         f"GPU:            {'present' if report.gpu else 'none'}",
         f"Kernel module:  {report.module_version or 'not readable'}",
@@ -110,10 +110,10 @@ def render_status(machine: Machine, report: Report) -> str:
         lines.append(f"Left out:       {len(report.left_out)} staged "
                      f"{'library' if len(report.left_out) == 1 else 'libraries'} (the host's "
                      "driver installation is damaged)")
-        lines += [f"  {left.path}: {left.reason}" for left in report.left_out]
+        lines += [f"  {log.one_line(left.path)}: {left.reason}" for left in report.left_out]
     causes, pending = report.causes()
     lines.append(f"Problems:       {len(causes) or 'none'}")
-    lines += [f"  [{p.code}] {p.message}" for p in causes]
+    lines += [f"  [{p.code}] {log.one_line(p.message)}" for p in causes]
     if pending:
         lines.append(f"  {_pending_line(pending)}")
     return "\n".join(lines)

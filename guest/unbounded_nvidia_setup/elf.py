@@ -21,6 +21,10 @@ _DT_NULL, _DT_STRTAB, _DT_SONAME = 0, 5, 14
 _MAX_PHNUM = 256
 _PHENTSIZE = 56
 _MAX_NAME = 4096
+# The dynamic segment is read whole: Debian's NVIDIA 535 and 550 libraries' are under
+# 600 bytes. A sparse file can claim gigabytes and still fit before its end (issue 37):
+# anything over this is no driver library.
+_MAX_DYNAMIC = 1 << 16
 
 
 class CorruptElf(Exception):
@@ -83,6 +87,9 @@ def read_elf(stream: BinaryIO) -> ElfInfo | None:
             dynamic = (p_offset, p_filesz)
     if dynamic is None:
         return info
+    if dynamic[0] + dynamic[1] <= end and dynamic[1] > _MAX_DYNAMIC:
+        raise CorruptElf(f"dynamic segment of {dynamic[1]} bytes, more than any driver "
+                         f"library's ({_MAX_DYNAMIC})")
     entries = _read(stream, end, dynamic[0], dynamic[1] - dynamic[1] % 16, "dynamic segment")
     strtab = soname = None
     for d_tag, d_val in struct.iter_unpack(order + "qQ", entries):

@@ -44,10 +44,16 @@ def set_verbose(verbose: bool) -> None:
     _verbose = verbose
 
 
+# Every C0 and C1 control and DEL, escaped: staged file names and process names are the
+# machine's, and a terminal obeys an escape sequence printed raw (issue 37).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+_CONTROLS.update({ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r"})
+
+
 def one_line(text: str) -> str:
-    # Staging file names are host-controlled and may hold newlines: never let one split a
-    # log record in two.
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    """`text` on one line with nothing a terminal or the journal would act on: staging
+    file names are host-controlled and may hold newlines or escape sequences."""
+    return text.translate(_CONTROLS)
 
 
 def stderr_is_journal() -> bool:

@@ -18,27 +18,68 @@ from .state import collect
 from .tree import write_atomically
 from .verify import changed_copies, root_problems
 
-# Programs that hold the driver root open in pods: swapping under them is refused.
-CONSUMERS = ("containerd", "kubelet")
+# Programs that hold the driver root open in pods: swapping under them is refused. They
+# are their systemd units, never a name a process gives itself: any process, a pod's
+# included (a Docker-in-Docker pod runs a real containerd), sets its own comm (issue 37).
+CONSUMERS = {"containerd": "containerd.service", "kubelet": "kubelet.service"}
 _POLL = 1.0
 _SAY_AFTER = 10.0  # seconds of a wait before the journal hears of it again, then doubling
 
 
 def running_consumers(machine: Machine) -> list[str]:
+    """containerd and kubelet, when their units run: asked of systemd on the running
+    system, else read from each process's cgroup (a unit's processes are in
+    /system.slice/<unit>; a pod's are in its own, kubepods, slice)."""
+    if machine.is_live and os.path.isdir("/run/systemd/system"):
+        running = _active_units(list(CONSUMERS.values()))
+        if running is not None:
+            return sorted(name for name, unit in CONSUMERS.items() if unit in running)
     found = set()
     proc = machine.at("/proc")
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
         return []
+    units = {f"/system.slice/{unit}": name for name, unit in CONSUMERS.items()}
     for pid in pids:
         try:
-            comm = (proc / pid / "comm").read_text().strip()
+            with open(proc / pid / "cgroup", "rb") as f:
+                lines = f.read(1 << 16).decode(errors="replace").splitlines()
         except OSError:
             continue
-        if comm in CONSUMERS:
-            found.add(comm)
+        for line in lines:
+            name = units.get(line.rpartition(":")[2])
+            if name is not None:
+                found.add(name)
     return sorted(found)
+
+
+def _active_units(units: list[str]) -> set[str] | None:
+    """The units systemd has active (or activating, reloading, deactivating: their
+    processes run); None when systemctl cannot answer."""
+    import shutil
+
+    from .budget import Limit
+    from .run import run
+
+    systemctl = shutil.which("systemctl", path="/usr/bin:/bin")  # never the caller's PATH
+    if systemctl is None:
+        return None
+    try:
+        result = run([systemctl, "show", "--property=Id,ActiveState", *units],
+                     limit=Limit(10), quiet=True)
+    except Failure:
+        return None
+    if not result.ok:
+        return None
+    running, unit = set(), None
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key == "Id":
+            unit = value
+        elif key == "ActiveState" and unit is not None and value not in ("inactive", "failed"):
+            running.add(unit)
+    return running
 
 
 def wait_for_staging(machine: Machine) -> list[Path]:

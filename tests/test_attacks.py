@@ -1,0 +1,97 @@
+"""Nothing inside the machine can stop, fool or hijack the setup (issue 37): the attacks
+this change answers, each tried against the product as a non-root process, a pod or a
+hostile staged file would, and each seen to work on the product before it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import elfmutate
+import simgpu
+from conftest import Cli, needs_root
+from test_lost_gpu import check_json
+
+pytestmark = needs_root
+
+GIB = 1 << 30
+
+
+def run_limited(root: Path, *args: str, address_space: int) -> subprocess.CompletedProcess[str]:
+    """The CLI with RLIMIT_AS set, as a unit's MemoryMax= would bound it."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    return subprocess.run([sys.executable, "-m", "unbounded_nvidia_setup", "--root", str(root),
+                           *args], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit, stdin=subprocess.DEVNULL)
+
+
+def test_a_sparse_library_claiming_a_huge_dynamic_segment_is_refused(
+        m: simgpu.SimMachine) -> None:
+    """A staged libnvidia-*.so.<ver> of 8 GiB apparent size (a few KiB on disk) whose
+    PT_DYNAMIC claims 4 GiB: before, `run` and `check` read it whole and, under a 2 GiB
+    address-space limit, ended in a MemoryError traceback. Now it is refused in one
+    line naming the file."""
+    victim, = [p for top in m.staging for p in top.glob(f"libnvidia-glcore.so.{m.version}")]
+    data = victim.read_bytes()
+    mutated = elfmutate.dynamic_field(32, 4 * GIB)(data)
+    assert mutated is not None
+    victim.write_bytes(mutated)
+    os.truncate(victim, 8 * GIB)
+    assert victim.stat().st_blocks * 512 < 1 << 24  # sparse: nothing of it on disk
+    out = run_limited(m.root, "run", address_space=2 * GIB)
+    assert "Traceback" not in out.stderr and "MemoryError" not in out.stderr, out.stderr
+    assert out.returncode == 1, out.stderr
+    error, = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert str(victim) in error and "dynamic segment of 4294967296 bytes" in error, error
+    out = run_limited(m.root, "check", address_space=2 * GIB)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1 and "staging-invalid" in out.stdout, out.stdout
+
+
+def test_status_and_check_escape_what_they_print(m: simgpu.SimMachine, cli: Cli) -> None:
+    """A staged name or a process name is the machine's, printed to root's terminal:
+    before, `status` printed a staged name's escape sequences raw (a terminal obeys
+    them). Every control character now reaches the terminal escaped."""
+    assert cli(m.root, "run").code == 0
+    hostile = m.staging[0] / "libnvidia-\x1b]0;pwned\x07\x1b[2J.so.1"
+    hostile.write_bytes(b"not an ELF file")
+    for command in ("status", "check"):
+        out = cli(m.root, command)
+        assert "\x1b" not in out.stdout and "\x07" not in out.stdout, repr(out.stdout)
+        assert "\x1b" not in out.stderr and "\x07" not in out.stderr, repr(out.stderr)
+    status = cli(m.root, "status").stdout
+    assert "\\x1b]0;pwned\\x07" in status, status  # said, escaped (Left out:)
+    report = check_json(cli, m)
+    assert any("\x1b" in left["path"] for left in report["left_out"]), report["left_out"]
+
+
+def test_a_pods_process_named_containerd_keeps_no_node_dark(m: simgpu.SimMachine,
+                                                            cli: Cli) -> None:
+    """A pod's processes may call themselves containerd and kubelet (a Docker-in-Docker
+    pod runs a real containerd). Before, a run that had to replace the driver root
+    refused on every retry ("would change the driver under running pods"): the node
+    stayed dark. Their cgroup is the pod's, not containerd.service's or kubelet.service's
+    (on the running system the tool asks systemd instead): no refusal."""
+    assert cli(m.root, "run").code == 0
+    for pid, comm in (("4242", "containerd"), ("4243", "kubelet")):
+        proc = m.root / "proc" / pid
+        proc.mkdir(parents=True)
+        (proc / "comm").write_text(f"{comm}\n")
+        (proc / "cgroup").write_text(
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice/"
+            f"cri-containerd-{pid}.scope\n")
+    os.utime(m.lib_dir / f"libcuda.so.{m.version}", (1, 1))  # a driver change: a new root
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    assert "driver root" in out.stderr and "now holds driver" in out.stderr, out.stderr
+    # containerd's own process, in its unit's cgroup, is one.
+    (m.root / "proc/4242/cgroup").write_text("0::/system.slice/containerd.service\n")
+    os.utime(m.lib_dir / f"libcuda.so.{m.version}", (2, 2))
+    out = cli(m.root, "run")
+    assert out.code == 1 and "containerd running" in out.errors[0], out.stderr
