@@ -95,3 +95,37 @@ def test_a_pods_process_named_containerd_keeps_no_node_dark(m: simgpu.SimMachine
     os.utime(m.lib_dir / f"libcuda.so.{m.version}", (2, 2))
     out = cli(m.root, "run")
     assert out.code == 1 and "containerd running" in out.errors[0], out.stderr
+
+
+def test_a_config_others_can_write_is_refused(m: simgpu.SimMachine, cli: Cli) -> None:
+    """The config names the programs root runs. Before, its owner and mode were never
+    looked at, and `ldconfig:` could be a relative path, run from wherever the admin
+    stood. Now it must be root's (or the caller's) and writable by nobody else, and
+    program keys are names (on PATH, as DESIGN says) or absolute paths."""
+    config = m.root / "etc/unbounded/nvidia-setup.yaml"
+    config.chmod(0o666)
+    out = cli(m.root, "run")
+    assert out.code == 2 and "mode 0666" in out.errors[0] and "chmod go-w" in out.errors[0]
+    config.chmod(0o644)
+    os.chown(config, 65534, 65534)
+    out = cli(m.root, "check")
+    assert out.code == 2 and "owned by uid 65534" in out.errors[0], out.stderr
+    os.chown(config, 0, 0)
+    m.write_config(ldconfig="bin/ldconfig")
+    out = cli(m.root, "run")
+    assert out.code == 2 and "'ldconfig' must be a program name or an absolute path" in \
+        out.errors[0], out.stderr
+
+
+def test_a_fifo_in_place_of_the_lock_does_not_hang_check(m: simgpu.SimMachine,
+                                                         cli: Cli) -> None:
+    """The lock's directory, /run/lock, is world-writable. Before, a FIFO created there
+    under the lock's name made `check`'s open block for ever (and the drift check's
+    unit has no TimeoutStartSec=). Now `check` opens it without blocking and takes only
+    a regular file of root's for a lock."""
+    assert cli(m.root, "run").code == 0
+    lock = m.root / "run/lock/unbounded-nvidia-setup.lock"
+    lock.unlink()
+    os.mkfifo(lock)
+    out = cli(m.root, "check", timeout=30)
+    assert out.code == 0 and "verdict: ready" in out.stdout, out.stdout

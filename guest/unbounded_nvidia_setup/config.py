@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,15 +111,16 @@ def parse_config(data: object, path: Path) -> Config:
     for key in ("driver_root", "cdi_spec"):
         if key in values and os.path.normpath(values[key]) in ("/", "/etc", "/run", "/usr"):
             _bad(path, key, "must not be a system directory")
-    if "/" in values.get("nvidia_ctk", "x") and not values["nvidia_ctk"].startswith("/"):
-        _bad(path, "nvidia_ctk", "must be a program name or an absolute path")
+    for key in ("nvidia_ctk", "ldconfig"):  # never relative to the caller's directory
+        if "/" in values.get(key, "x") and not values[key].startswith("/"):
+            _bad(path, key, "must be a program name or an absolute path")
     return Config(**values)
 
 
 def load_config(root: Path, explicit: Path | None) -> tuple[Config, Path]:
     path = explicit if explicit is not None else under(root, DEFAULT_CONFIG)
     try:
-        text = path.read_text()
+        text = _read_trusted(path)
     except FileNotFoundError:
         if explicit is not None:
             die(f"config file {path} does not exist", hint="pass an existing file to --config",
@@ -137,6 +139,32 @@ def load_config(root: Path, explicit: Path | None) -> tuple[Config, Path]:
         die(f"config file {path} is not valid YAML{where}", hint="fix its syntax",
             code=EXIT_USAGE)
     return parse_config(data, path), path
+
+
+def _read_trusted(path: Path) -> str:
+    """The config's text. It names the programs root runs, so it must be a regular file
+    (a FIFO must not hang a boot) of a sane size, owned by root or by whoever runs this,
+    and writable by nobody else (issue 37): else exit 2, naming it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            die(f"config file {path} is not a regular file", hint="make it one",
+                code=EXIT_USAGE)
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            die(f"config file {path} is owned by uid {st.st_uid} with mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: it names the programs root runs",
+                hint=f"chown root:root {path} && chmod go-w {path}", code=EXIT_USAGE)
+        data = os.read(fd, _CONFIG_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _CONFIG_MAX:
+        die(f"config file {path} is larger than {_CONFIG_MAX} bytes",
+            hint="it holds a few keys; check what was written there", code=EXIT_USAGE)
+    return data.decode()
+
+
+_CONFIG_MAX = 1 << 16
 
 
 def load_yaml(text: str | bytes) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,8 +80,16 @@ def shared_or_busy(machine: Machine) -> Iterator[bool]:
 
 def _open_for_probe(path: Path) -> int | None:
     """The lock file opened read-only, never created: an unprivileged `check` can still
-    see a run in progress, and a `check` under --root leaves no file behind."""
+    see a run in progress, and a `check` under --root leaves no file behind. Only a
+    regular file of root's counts: its directory is world-writable, and a FIFO there
+    must not block `check` (O_NONBLOCK), nor a stranger's file say a run is going on
+    (issue 37)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0:
+        os.close(fd)
+        return None
+    return fd
