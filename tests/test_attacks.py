@@ -129,3 +129,29 @@ def test_a_fifo_in_place_of_the_lock_does_not_hang_check(m: simgpu.SimMachine,
     os.mkfifo(lock)
     out = cli(m.root, "check", timeout=30)
     assert out.code == 0 and "verdict: ready" in out.stdout, out.stdout
+
+
+def test_code_planted_in_the_working_directory_is_not_run(tmp_path: Path) -> None:
+    """The NVML child (a degraded node's run starts it) was `python3 -m
+    unbounded_nvidia_setup.nvml` without -I: a package of that name in the directory an
+    admin typed `run` in was imported and ran as root. It now runs isolated (-I)."""
+    import simnvml
+
+    m = simgpu.make_machine(tmp_path / "root")
+    m.write_config()
+    simnvml.lose_gpu(m, 1)
+    planted = tmp_path / "cwd" / "unbounded_nvidia_setup"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (planted / "nvml.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+    # As the admin types it: the installed command (its own directory first on sys.path,
+    # never the working directory), standing in the directory with the planted package.
+    command = Path(__file__).resolve().parent.parent / "guest/scripts/unbounded-nvidia-setup"
+    proc = subprocess.run([sys.executable, str(command), "--root", str(m.root), "run"],
+                          cwd=planted.parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "running: " in proc.stderr and "-I -m unbounded_nvidia_setup.nvml" in proc.stderr
+    assert not marker.exists()
