@@ -465,7 +465,7 @@ def status_word(found: NodeGpus, served: int, listed: int) -> str:
                 + (f" ({bad})" if bad else "") + "; no CDI spec is installed: keep GPU pods "
                 "off this node")
     if found.degraded:
-        return f"Ready (degraded): the spec serves {served} of {listed} GPUs; {bad}"
+        return f"Ready (degraded): the spec serves {served} of {listed} GPUs, {bad}"
     return "Ready" if served >= listed else f"Ready: the spec serves {served} of {listed} GPUs"
 
 
