@@ -103,7 +103,7 @@ def render_status(machine: Machine, report: Report) -> str:
         lines += status_lines(report.sections.get("gpus", {}))
     image = report.sections.get("image")
     if image:
-        lines.append(f"Image:          {image['root']}, a stopped machine (no /proc/devices): "
+        lines.append(f"Image:          {image['root']}, a stopped machine (its /proc is empty): "
                      f"package {image['package'] or 'not installed by dpkg'}")
         lines += [f"  {name}: {state}" for name, state in image["units"].items()]
     if report.left_out:

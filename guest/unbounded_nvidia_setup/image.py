@@ -1,6 +1,6 @@
 """`check --root IMAGE` on a machine image that is not running: what can be told offline.
 
-A root without /proc/devices has no kernel behind it: a stopped or never-booted image
+A root whose /proc is empty has no kernel behind it: a stopped or never-booted image
 (or a running machine's tree seen from outside, where its /proc is not mounted). Its
 driver root, spec and drop-in live in /run and /etc of a machine that runs; an image
 holds none of them, and that is no fault. So `check` reports what an image can get
@@ -33,8 +33,14 @@ ENABLED = (("unbounded-nvidia-setup.service", "multi-user.target"),
 
 
 def is_image(machine: Machine) -> bool:
-    """A `--root` with no kernel's view in it (no /proc/devices)."""
-    return not machine.is_live and not os.path.lexists(machine.at("/proc/devices"))
+    """A `--root` with no kernel's view in it: its /proc missing or empty (a running
+    machine's, even one whose /proc/devices cannot be read, has more)."""
+    if machine.is_live:
+        return False
+    try:
+        return not os.listdir(machine.at("/proc"))
+    except OSError:
+        return True
 
 
 def package_version(machine: Machine) -> str | None:
