@@ -155,3 +155,25 @@ def test_code_planted_in_the_working_directory_is_not_run(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert "running: " in proc.stderr and "-I -m unbounded_nvidia_setup.nvml" in proc.stderr
     assert not marker.exists()
+
+
+def test_the_device_plugins_spec_is_read_bounded(m: simgpu.SimMachine, cli: Cli) -> None:
+    """/var/run/cdi is the plugin's to write. Before, `check` read its spec with
+    read_text(): through a symlink, waiting for ever on a FIFO, whatever its size. Now a
+    regular file only, never through a link, at most 4 MiB: anything else is
+    plugin-spec-invalid, named."""
+    assert cli(m.root, "run").code == 0
+    spec = m.root / "var/run/cdi/k8s.device-plugin.nvidia.com-gpu.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(spec)
+    out = cli(m.root, "check", "--json", timeout=30)
+    assert '"plugin-spec-invalid"' in out.stdout and "not a regular file" in out.stdout
+    spec.unlink()
+    spec.symlink_to(m.cdi_spec)
+    out = cli(m.root, "check", "--json", timeout=30)
+    assert '"plugin-spec-invalid"' in out.stdout and "a symlink" in out.stdout, out.stdout
+    spec.unlink()
+    spec.write_text('{"kind": "k8s.device-plugin.nvidia.com/gpu", "pad": "'
+                    + "x" * (5 << 20) + '"}')
+    out = cli(m.root, "check", "--json", timeout=30)
+    assert '"plugin-spec-invalid"' in out.stdout and "larger than 4194304 bytes" in out.stdout

@@ -271,7 +271,8 @@ def test_a_pending_start_with_nothing_else_to_say_is_setup_pending() -> None:
     with the lock held, setup-running; once the unit is active, every problem is one to
     act on again."""
     from unbounded_nvidia_setup.problems import Problem
-    from unbounded_nvidia_setup.state import Report, Unit
+    from unbounded_nvidia_setup.state import Report
+    from unbounded_nvidia_setup.unit import Unit
 
     left = [Problem("root-missing", "gone with /run", "/run/nvidia/driver"),
             Problem("spec-missing-host-path", "names the old root", "/etc/cdi/nvidia.yaml")]

@@ -88,14 +88,8 @@ def run(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from .check import render_json, render_text
     from .lock import shared_or_busy
-    from .state import (
-        DEGRADED,
-        EXIT_DEGRADED,
-        EXIT_NO_USABLE_GPU,
-        NO_USABLE_GPU,
-        collect_beside,
-        unit_state,
-    )
+    from .state import DEGRADED, EXIT_DEGRADED, EXIT_NO_USABLE_GPU, NO_USABLE_GPU, collect_beside
+    from .unit import unit_state
 
     def action() -> int:
         machine = _machine(args)
@@ -144,7 +138,8 @@ def _reload_if_due(machine: Machine, report: Report, quiet: bool) -> None:
 def status(args: argparse.Namespace) -> int:
     from .check import render_status
     from .lock import shared_or_busy
-    from .state import collect_beside, unit_state
+    from .state import collect_beside
+    from .unit import unit_state
 
     def action() -> None:
         try:

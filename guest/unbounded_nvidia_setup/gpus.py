@@ -268,10 +268,6 @@ class NodeGpus:
             self.attempts = previous.attempts + 1
         return self
 
-    def __repr__(self) -> str:
-        return (f"NodeGpus({self.unusable!r}, {self.node_error!r}, serves={self.serves!r}, "
-                f"kernel={self.kernel!r}, attempts={self.attempts!r})")
-
 
 # ------------------------------------------------------------------- the kernel's list
 
@@ -288,10 +284,14 @@ _MAX_INFO = 1 << 14
 
 
 def read_small(path: str | os.PathLike[str]) -> str:
-    """A /proc file of the module's, bounded; empty when it cannot be read."""
+    """A small file's first 16 KiB (a /proc file of the module's, the run's record);
+    empty when it cannot be read. Never through a symlink, nor waiting on a FIFO."""
     try:
-        with open(path, "rb") as f:
-            return f.read(_MAX_INFO).decode(errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            return os.read(fd, _MAX_INFO).decode(errors="replace")
+        finally:
+            os.close(fd)
     except OSError:
         return ""
 

@@ -159,10 +159,10 @@ def write(machine: Machine, outcome: Outcome) -> None:
 
 def read(machine: Machine) -> Outcome | None:
     """The last run's outcome; None without one (no run since boot)."""
-    try:
-        return parse(machine.last_run.read_text(errors="replace"))
-    except OSError:
-        return None
+    from .gpus import read_small  # a regular file's first 16 KiB: a record is ~1 KiB
+
+    text = read_small(machine.last_run)
+    return parse(text) if text else None
 
 
 def remove(machine: Machine) -> None:

@@ -3,10 +3,12 @@ a run proves its end state with (reconcile._verify_end_state). Rendering is chec
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import devices, discover, driver, gpus, linker, outcome, searchorder, tree
 from .config import Machine, load_yaml
@@ -15,6 +17,9 @@ from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .problems import REBUILT_CODES, SERVING_CODES, WAITING_CODES, Problem
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
 from .verify import library_sonames, root_problems, root_version
+
+if TYPE_CHECKING:
+    from .unit import Unit
 
 SCHEMA_VERSION = 1  # of `check --json`; docs/problems.md says what may change within one
 UNIT = "unbounded-nvidia-setup.service"
@@ -42,39 +47,6 @@ EXIT_DEGRADED = 3
 EXIT_NO_USABLE_GPU = 4
 
 
-class Unit:
-    """The setup unit as systemd shows it (`systemctl show`): a pending start or retry,
-    its restarts, its result, and its own last STATUS= (what it waits for, and how
-    long)."""
-
-    __slots__ = ("active", "restarts", "result", "status", "sub")
-
-    def __init__(self, props: dict[str, str]) -> None:
-        self.active = props.get("ActiveState", "")
-        self.sub = props.get("SubState", "")
-        restarts = props.get("NRestarts", "")
-        self.restarts = int(restarts) if restarts.isdigit() else 0
-        self.result = props.get("Result", "")
-        self.status = props.get("StatusText", "")
-
-    @property
-    def pending(self) -> bool:
-        """A start, or an automatic restart after a failure, is on its way."""
-        return self.active == "activating"
-
-    def describe(self) -> str:
-        """`activating (auto-restart), retry 3 pending: Failed: …`, as `systemctl
-        status` reads."""
-        state = f"{self.active} ({self.sub})"
-        if self.sub == "auto-restart":
-            state += f", retry {self.restarts + 1} pending"
-        elif self.active == "activating" and self.restarts:
-            state += f", retry {self.restarts}"
-        elif self.active == "failed" and self.result:
-            state += f", result {self.result}"
-        return f"{state}: {self.status}" if self.status else state
-
-
 @dataclass
 class Report:
     gpu: bool
@@ -85,7 +57,7 @@ class Report:
     # Live facts beside the files, set by `check`: a run or clean holds the lock right
     # now; the unit's ActiveState and SubState (None: systemd not reachable or not asked).
     setup_running: bool = False
-    unit: Unit | None = None
+    unit: Unit | None = None  # unit.py
     # Staged libraries planning leaves out of the root (plan.LeftOut): not a problem (the
     # verdict ignores them), but a host whose driver installation is damaged.
     left_out: tuple[LeftOut, ...] = ()
@@ -168,37 +140,30 @@ class Report:
         return out
 
 
-def unit_state(machine: Machine) -> Unit | None:
-    """The setup unit as systemd shows it, when this is the running system and systemd is
-    its init; None otherwise, and whenever systemctl cannot answer (absent, hung, no
-    bus): the verdict then rests on the files and the lock alone."""
-    if not machine.is_live or not os.path.isdir("/run/systemd/system"):
-        return None
-    import shutil
-
-    from .budget import Limit
-    from .run import run
-
-    systemctl = shutil.which("systemctl")
-    if systemctl is None:
-        return None
-    try:
-        result = run([systemctl, "show", "--property=ActiveState,SubState,NRestarts,Result,"
-                      "StatusText", UNIT], limit=Limit(10), quiet=True)
-    except Failure:
-        return None
-    props = dict(line.partition("=")[::2] for line in result.stdout.splitlines())
-    if not result.ok or not props.get("ActiveState"):
-        return None
-    return Unit(props)
+# A spec is read whole; NVIDIA's run to tens of KiB (a GB300 node's, every MIG device
+# and IMEX channel in it, well under 1 MiB). A larger file is no spec of theirs.
+SPEC_MAX = 1 << 22
 
 
 def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
-    """(document, None) or (None, why it could not be read)."""
+    """(document, None) or (None, why it could not be read). Only a regular file, never
+    through a symlink, never waiting on a FIFO, at most SPEC_MAX bytes (issue 37)."""
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return None, "a symlink" if e.errno == errno.ELOOP else e.strerror
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        data = os.read(fd, SPEC_MAX + 1)
     except OSError as e:
         return None, e.strerror
+    finally:
+        os.close(fd)
+    if len(data) > SPEC_MAX:
+        return None, f"larger than {SPEC_MAX} bytes, more than any CDI spec"
+    try:
+        text = data.decode()
     except UnicodeDecodeError:
         return None, "not text"
     import yaml
