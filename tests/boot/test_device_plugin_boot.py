@@ -666,8 +666,14 @@ def test_d_xids_while_the_plugin_runs(cri_node: Any, descriptors: bytes,  # noqa
             print("device plugin Xid (d), the product: " + json.dumps(seen), flush=True)
             assert before["verdict"] == "ready", before
             assert after["verdict"] == "degraded", after
+            # The plugin started while GPU 1 was healthy and its spec still lists it: check
+            # names that too, with the step (issue 35), and the node stays degraded.
             assert [(p["code"], p["path"]) for p in after["problems"]] == [
-                ("gpu-lost", "/dev/nvidia1")], after["problems"]
+                ("gpu-lost", "/dev/nvidia1"),
+                ("plugin-spec-unusable-gpu", PLUGIN_SPEC)], \
+                after["problems"]
+            plugin = after["problems"][1]["message"]
+            assert "/dev/nvidia1" in plugin and "restart the device plugin" in plugin, plugin
             # The plugin, still running, still lists both Unhealthy (until its plugins restart).
             assert k.wait_devices(lambda d: True) == dict.fromkeys(uuids, "Unhealthy")
 
