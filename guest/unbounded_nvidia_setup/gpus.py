@@ -179,19 +179,9 @@ class Gpu:
         except ValueError:
             return None
 
-    def _key(self) -> tuple[object, ...]:
-        return (self.index, self.code, self.device, self.uuid, self.bus_id, self.query,
-                self.waited)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Gpu) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
     def __repr__(self) -> str:
-        return "Gpu({!r}, code={!r}, device={!r}, uuid={!r}, bus={!r}, query={!r}, " \
-               "waited={!r})".format(*self._key())
+        return (f"Gpu({self.index!r}, code={self.code!r}, device={self.device!r}, "
+                f"query={self.query!r}, waited={self.waited!r})")
 
 
 class NodeGpus:
@@ -221,10 +211,6 @@ class NodeGpus:
     @property
     def usable(self) -> list[Gpu]:
         return [g for g in self.gpus if g.usable]
-
-    @property
-    def serves_none(self) -> bool:
-        return not self.serves
 
     @property
     def degraded(self) -> bool:
