@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from unbounded_nvidia_setup.config import LAST_RUN
+from unbounded_nvidia_setup.config import LAST_RUN, LOCK_FILE
 
 import toolkit
 from conftest import Outcome
@@ -557,12 +557,12 @@ _LAST_RUN_TMP = re.compile(re.escape(f"{os.path.dirname(LAST_RUN)}/.{os.path.bas
 def write_violations(run: Traced, root: Path, *, forbidden: Path,
                      multiarch: str = "x86_64-linux-gnu") -> list[str]:
     """Writes outside what the tool may touch: under `root`, only the driver root's dir,
-    its work dir, the lock dir, /etc/cdi, /etc/ld.so.conf.d, ldconfig's cache files, the
+    its work dir, the lock file, /etc/cdi, /etc/ld.so.conf.d, ldconfig's cache files, the
     last run's record (/run/unbounded-nvidia-setup.last-run, and its temporary file beside
     it) and (deleting legacy links only) /usr/lib/<multiarch>; outside `root`, /dev/null, Python's
     bytecode caches and /tmp -- except anything in `forbidden` (the test's own area) --
     and, in real-tool mode, what the real nvidia-ctk does in /dev (see _REAL_TOOL_DEV)."""
-    allowed = [root / "run/nvidia", root / "run/unbounded-nvidia-setup", root / "run/lock",
+    allowed = [root / "run/nvidia", root / "run/unbounded-nvidia-setup", root / LOCK_FILE[1:],
                root / "etc/cdi", root / "etc/ld.so.conf.d", root / "var/cache/ldconfig"]
     ancestors = {str(p) for p in (root, root / "run", root / "etc", root / "var",
                                   root / "var/cache")}

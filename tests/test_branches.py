@@ -355,7 +355,7 @@ def holder() -> Iterator[Holder]:
     started: list[subprocess.Popen[str]] = []
 
     def hold(m: simgpu.SimMachine, mode: str) -> subprocess.Popen[str]:
-        lock = m.root / "run/lock/unbounded-nvidia-setup.lock"
+        lock = m.root / "run/unbounded-nvidia-setup.lock"
         proc = subprocess.Popen(["flock", f"--{mode}", str(lock), "sh", "-c", "echo held; read x"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         started.append(proc)

@@ -426,7 +426,7 @@ def test_staging_that_never_comes_ends_within_the_budget(live: simgpu.SimMachine
 def held_lock(live: simgpu.SimMachine) -> Iterator[subprocess.Popen[str]]:
     """A stuck process (flock(1) running a shell that waits on its stdin) holding the
     machine's lock exclusively until its stdin closes; taken after `live`'s good run."""
-    lock = live.root / "run/lock/unbounded-nvidia-setup.lock"
+    lock = live.root / "run/unbounded-nvidia-setup.lock"
     proc = subprocess.Popen(["flock", "--exclusive", str(lock), "sh", "-c", "echo held; read x"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"

@@ -32,7 +32,7 @@ from test_run import check_json, codes, root_of, spec_of
 
 pytestmark = [needs_root, pytest.mark.usefixtures("secure_after")]
 MA = "x86_64-linux-gnu"
-LOCK = "run/lock/unbounded-nvidia-setup.lock"
+LOCK = "run/unbounded-nvidia-setup.lock"
 
 
 @pytest.fixture

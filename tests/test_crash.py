@@ -579,7 +579,7 @@ def recovered(s: Swapper, version: str) -> None:
     assert os.listdir(m.root / "etc/cdi") == ["nvidia.yaml"]
     assert sorted(os.listdir(m.root / "etc/ld.so.conf.d")) == [  # Debian's, and ours
         "libc.conf", "unbounded-nvidia-setup.conf", "x86_64-linux-gnu.conf"]
-    assert os.listdir(metrics_of(m).parent) == [metrics.FILE]
+    assert sorted(os.listdir(metrics_of(m).parent)) == [metrics.LOCK, metrics.FILE]
     assert_metrics_whole(s)
 
 

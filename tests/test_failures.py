@@ -220,7 +220,7 @@ def test_failing_nvidia_ctk_on_first_boot_leaves_nothing(m: simgpu.SimMachine,
 
 
 def test_lock_held_by_a_stuck_process_gives_75(live: simgpu.SimMachine, cli: Cli) -> None:
-    lock = live.root / "run/lock/unbounded-nvidia-setup.lock"
+    lock = live.root / "run/unbounded-nvidia-setup.lock"
     with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         start = time.monotonic()

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from check_schema import check_report, codes_in_schema, codes_in_source
 from invariants import product_argv, product_env
-from unbounded_nvidia_setup.metrics import FILE
+from unbounded_nvidia_setup.metrics import FILE, LOCK
 from unbounded_nvidia_setup.problems import PROBLEM_CODES
 
 import simgpu
@@ -159,7 +159,7 @@ def test_run_metrics_match_what_the_run_did(m: simgpu.SimMachine, cli: Cli,
     assert value(s, "check_ok") == 1
     assert before <= value(s, "check_timestamp_seconds") <= value(s, "run_timestamp_seconds")
     assert problem_series(s) == dict.fromkeys(PROBLEM_CODES, 0)
-    assert [p.name for p in exporter.directory.iterdir()] == [FILE]
+    assert sorted(p.name for p in exporter.directory.iterdir()) == [LOCK, FILE]
 
     assert cli(m.root, "run").code == 0  # nothing to change: nothing swapped
     s = exporter.scrape()
@@ -317,7 +317,7 @@ def test_a_run_killed_while_writing_leaves_the_previous_file(
     assert (exporter.directory / f".{FILE}.tmp").exists()  # killed where we meant
     assert value(exporter.scrape(), "run_success") == 1
     assert cli(m.root, "check", "--metrics").code == 0
-    assert sorted(p.name for p in exporter.directory.iterdir()) == [FILE]
+    assert sorted(p.name for p in exporter.directory.iterdir()) == [LOCK, FILE]
     promtool_check(path)
 
 
@@ -388,7 +388,7 @@ def test_full_directory_never_fails_a_run(m: simgpu.SimMachine, cli: Cli,
     assert out.code == 0
     _warned_once(out.stderr)
     assert "No space left on device" in out.stderr
-    assert sorted(p.name for p in directory.iterdir()) == ["filler"]  # no temp file left
+    assert sorted(p.name for p in directory.iterdir()) == [LOCK, "filler"]  # no temp file left
 
 
 def test_symlinked_directory_is_not_followed(m: simgpu.SimMachine, cli: Cli,
@@ -425,4 +425,4 @@ def test_fifo_or_symlink_by_our_name_neither_blocks_nor_leads_out(
     assert cli(m.root, "run", timeout=60).code == 0
     assert outside.read_text() == "untouched\n"
     assert (directory / FILE).is_file() and not (directory / FILE).is_symlink()
-    assert sorted(p.name for p in directory.iterdir()) == [FILE]
+    assert sorted(p.name for p in directory.iterdir()) == [LOCK, FILE]

@@ -213,7 +213,7 @@ def fake_node_state(root: Path) -> list[Path]:
     paths = [root / "run/nvidia/driver/lib/x86_64-linux-gnu/libcuda.so.550.127.05",
              root / "etc/cdi/nvidia.yaml",
              root / "etc/ld.so.conf.d/unbounded-nvidia-setup.conf",
-             root / "run/lock/unbounded-nvidia-setup.lock"]
+             root / "run/unbounded-nvidia-setup.lock"]
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("state\n")
@@ -279,6 +279,15 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert settings["ExecReload"] == "/usr/bin/unbounded-nvidia-setup run --spec-only"
     assert "ProtectSystem" not in settings and "PrivateDevices" not in settings
     assert "DeviceAllow" not in settings and "ProtectClock" not in settings
+    # Least privilege (issue 37): no capability at all, a system call filter that answers
+    # EPERM, and the ratings systemd 257 gives: setup 2.5 or lower, the check 2.1 or lower.
+    assert settings["CapabilityBoundingSet"] == "" and settings["AmbientCapabilities"] == ""
+    assert settings["SystemCallFilter"] == "@system-service"
+    assert settings["SystemCallErrorNumber"] == "EPERM"
+    for unit, most in ((SETUP_UNIT, 25), (CHECK_SERVICE, 21)):
+        rated = in_root(trixie, "systemd-analyze", "security", "--offline=true",
+                        f"--threshold={most}", f"/{UNIT_DIR}/{unit}", check=False)
+        assert rated.returncode == 0, f"{unit} is rated above {most / 10}:\n{rated.stdout}"
 
     # The drift check: read-only, never retried, on no boot path.
     check = dict(re.findall(r"^(\w+)=(.*)$", (trixie / UNIT_DIR / CHECK_SERVICE).read_text(),
@@ -287,8 +296,7 @@ def test_units_verify_trixie(trixie: Path, deb: Path) -> None:
     assert check["ExecStart"] == ("/usr/bin/unbounded-nvidia-setup check --metrics "
                                   "--reload-if-degraded")
     assert check["ProtectSystem"] == "strict"
-    assert set(check["ReadWritePaths"].split()) == {"-/var/lib/prometheus/node-exporter",
-                                                    "/run/lock"}
+    assert check["ReadWritePaths"] == "-/var/lib/prometheus/node-exporter"
     assert "Restart" not in check and "WantedBy" not in check and "Before" not in check
     # Not ordered after the setup: that start job runs for as long as the setup retries
     # (RestartMode=direct), and the check must run meanwhile (tests/boot, issue 21).

@@ -303,7 +303,7 @@ HARMLESS: dict[tuple[str, str], str] = {
     ("write", "pipe:*"): "a log line that cannot be written is dropped and the run goes on "
                          "(log.log); the outcome also reaches systemd as STATUS=",
     **dict.fromkeys(
-        [("mkdir", "/run/lock"), ("mkdir", "/etc/cdi"), ("mkdir", "/etc/ld.so.conf.d")],
+        [("mkdir", "/run"), ("mkdir", "/etc/cdi"), ("mkdir", "/etc/ld.so.conf.d")],
         "the directory exists already: mkdir(exist_ok=True) takes a failure on an "
         "existing directory as done, and it is"),
     ("unlink", "/run/unbounded-nvidia-setup"):

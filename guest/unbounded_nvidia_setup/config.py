@@ -14,7 +14,7 @@ from .budget import MIN_SECONDS, Budget, Limit
 from .log import EXIT_USAGE, die
 
 DEFAULT_CONFIG = "/etc/unbounded/nvidia-setup.yaml"
-LOCK_FILE = "/run/lock/unbounded-nvidia-setup.lock"
+LOCK_FILE = "/run/unbounded-nvidia-setup.lock"
 LDCONF_DROPIN = "/etc/ld.so.conf.d/unbounded-nvidia-setup.conf"
 WORK_DIR = "/run/unbounded-nvidia-setup"
 # How the last run ended (outcome.py); on /run, so a boot starts without one.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import log
@@ -64,43 +65,59 @@ def _leads_into(directory: str, links: dict[str, str], name: str, prefix: str) -
     return False
 
 
+def _legacy_in(machine: Machine) -> Iterator[tuple[Path, int, dict[str, str]]]:
+    """Each system library dir (opened: what is judged is what is removed, whatever
+    becomes of its path meanwhile), with its legacy links and their targets."""
+    prefix = machine.staging_parent.rstrip("/") + "/"
+    seen: set[tuple[int, int]] = set()
+    for directory in system_libdirs(machine):
+        path = machine.at(directory)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in seen:  # merged /usr: /lib/<multiarch> is /usr/lib/…
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            links: dict[str, str] = {}
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        links[entry.name] = os.readlink(entry.name, dir_fd=fd)
+            yield path, fd, {name: links[name] for name in sorted(links)
+                             if _leads_into(directory, links, name, prefix)}
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+
+
 def legacy_links(machine: Machine) -> list[Path]:
     """Links an older agent left in the system library dirs: links into the staging
     mounts, and the SONAME links beside them that lead to those. They are never a driver
     file of this tool's root; they dangle wherever the staging is hidden, and in a
     directory searched before the drop-in (Debian's aarch64-linux-gnu.conf sorts first)
     they shadow the driver root."""
-    prefix = machine.staging_parent.rstrip("/") + "/"
-    found: list[Path] = []
-    seen: set[str] = set()
-    for directory in system_libdirs(machine):
-        path = machine.at(directory)
-        real = os.path.realpath(path)
-        if real in seen:  # merged /usr: /lib/<multiarch> is /usr/lib/<multiarch>
-            continue
-        seen.add(real)
-        links: dict[str, str] = {}
-        try:
-            with os.scandir(path) as entries:
-                for entry in entries:
-                    if entry.is_symlink():
-                        links[entry.name] = os.readlink(entry.path)
-        except OSError:
-            continue
-        found += [path / name for name in sorted(links)
-                  if _leads_into(directory, links, name, prefix)]
-    return found
+    return [path / name for path, _, found in _legacy_in(machine) for name in found]
 
 
 def remove_legacy_links(machine: Machine) -> None:
-    for path in legacy_links(machine):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            die(f"cannot remove legacy link {path}: {e.strerror}", hint="remove it by hand")
-        log.info(f"removed legacy link {path} (led into {machine.staging_parent})")
+    """Each removed relative to its directory's descriptor, and only while it still
+    leads where it did when it was judged."""
+    for path, fd, found in _legacy_in(machine):
+        for name, target in found.items():
+            try:
+                if os.readlink(name, dir_fd=fd) != target:
+                    continue
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                die(f"cannot remove legacy link {path / name}: {e.strerror}",
+                    hint="remove it by hand")
+            log.info(f"removed legacy link {path / name} (led into {machine.staging_parent})")
 
 
 def start_ldconfig(machine: Machine, *, rollback: bool = False) -> Started:

@@ -1,4 +1,4 @@
-"""One run at a time: an flock on /run/lock/unbounded-nvidia-setup.lock."""
+"""One run at a time: an flock on /run/unbounded-nvidia-setup.lock."""
 
 from __future__ import annotations
 

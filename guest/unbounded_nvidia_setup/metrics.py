@@ -7,7 +7,8 @@ node, for a few lines of text (it is the tests' parsing oracle instead). Only `o
 One file, two writers: a `run` writes everything; `check --metrics` writes the state and
 check families and carries the last run's families over from the file it replaces. A
 run that failed before it could prove its end state carries the last check's over.
-Writers serialize on a flock of the directory, so a carry-over never loses a newer run.
+Writers serialize on an flock of a lock file of root's beside it (mode 0600: no other
+user can open it, so none can hold it), so a carry-over never loses a newer run.
 
 The directory belongs to node_exporter's package and may be writable by others, so
 nothing in it is trusted: the directory is opened without following a symlink, every
@@ -34,11 +35,14 @@ from .outcome import RELOAD, RUN
 from .problems import PROBLEM_CODES
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .config import Machine
     from .state import Report
 
 FILE = "unbounded_nvidia_setup.prom"
 _TMP = f".{FILE}.tmp"  # not *.prom: node_exporter never reads a half-written file
+LOCK = f".{FILE}.lock"
 PREFIX = "unbounded_nvidia_setup_"
 _RUN_PREFIX = f"{PREFIX}run_"
 _RELOAD_PREFIX = f"{PREFIX}reload_"
@@ -208,7 +212,7 @@ def write(machine: Machine, *, run: list[str] | None, check: list[str] | None,
                  "set metrics_dir to a real directory, or to '' to turn metrics off")
         return None
     try:
-        return _write_in(dirfd, {"run": run, "reload": reload, "check": check})
+        return _write_in(dirfd, directory, {"run": run, "reload": reload, "check": check})
     except OSError as e:
         log.warn(f"metrics not written to {directory}/{FILE}: {e.strerror}; "
                  "node_exporter keeps the previous values")
@@ -217,8 +221,16 @@ def write(machine: Machine, *, run: list[str] | None, check: list[str] | None,
         os.close(dirfd)
 
 
-def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> str | None:
-    _lock(dirfd)
+def _write_in(dirfd: int, directory: Path,
+              groups: dict[str, list[str] | None]) -> str | None:
+    lock = _lock(dirfd, directory / LOCK)
+    try:
+        return _write_locked(dirfd, groups)
+    finally:
+        os.close(lock)
+
+
+def _write_locked(dirfd: int, groups: dict[str, list[str] | None]) -> str | None:
     previous = None
     if any(lines is None for lines in groups.values()):
         previous = _read_previous(dirfd)
@@ -247,17 +259,27 @@ def _write_in(dirfd: int, groups: dict[str, list[str] | None]) -> str | None:
     return previous
 
 
-def _lock(dirfd: int) -> None:
-    """flock the directory; bounded: a stranger holding it must not hang a boot."""
+def _lock(dirfd: int, path: Path) -> int:
+    """flock our lock file, bounded. Not the directory: any user can open that and hold an
+    flock on it for ever (issue 37). The file is ours and 0600, so no other user can
+    open, let alone hold it."""
+    flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(LOCK, flags, 0o600, dir_fd=dirfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{path} is not a file of ours that only we can open "
+                      "(remove it)")
     deadline = time.monotonic() + _LOCK_WAIT
     while True:
         try:
-            fcntl.flock(dirfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise OSError(errno.EWOULDBLOCK, "another process holds the directory's "
-                              f"lock for more than {_LOCK_WAIT:g} s") from None
+                os.close(fd)
+                raise OSError(errno.EWOULDBLOCK, f"another writer holds {path} for more "
+                              f"than {_LOCK_WAIT:g} s") from None
             time.sleep(0.05)
 
 
