@@ -271,6 +271,11 @@ def make_plan(libraries: list[Inspected], helpers: list[Inspected],
     links: dict[str, str] = {}
 
     def add(dest: str, source: Inspected, mode: int) -> None:
+        # discover.scan lets no file whose own name is not plain through, whatever links
+        # to it: that name would reach every GPU pod's spec. Refused here too, whoever calls.
+        if not SAFE_NAME.fullmatch(source.name):
+            die(f"staged file {source.staged.path} would enter the driver root as {dest!r}, "
+                "not a plain file name", hint="rename it on the host")
         if dest in files:
             die(f"two staged files would both become {dest}: {files[dest].source.staged.path} "
                 f"and {source.staged.path}", hint="remove one of them on the host")

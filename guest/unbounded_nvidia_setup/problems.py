@@ -35,6 +35,7 @@ PROBLEM_CODES = (
     "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
     "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
     "spec-missing-library", "spec-missing-helper", "spec-imex-channel", "spec-shadowed",
+    "spec-unsafe-path",
     "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
     "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
     "plugin-spec-unusable-gpu", "image-unit-missing", "image-unit-disabled",
@@ -57,7 +58,8 @@ REBUILT_CODES = frozenset({
     "root-version-mismatch", "ldconf-missing", "ldcache-stale", "legacy-link",
     "spec-missing", "spec-invalid", "spec-wrong-kind", "spec-no-devices",
     "spec-missing-host-path", "spec-staging-path", "spec-bad-device-node",
-    "spec-missing-library", "spec-missing-helper", "spec-imex-channel", "spec-shadowed"})
+    "spec-missing-library", "spec-missing-helper", "spec-imex-channel", "spec-shadowed",
+    "spec-unsafe-path"})
 
 # Problems that leave the node serving, with less: the verdict is `degraded` when they are
 # all there is (a GPU NVML cannot use, and the device plugin's spec that still lists one;

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ SPEC_CODES = {
     "missing-library": "spec-missing-library",
     "missing-helper": "spec-missing-helper",
     "imex-channel": "spec-imex-channel",
+    "unsafe-path": "spec-unsafe-path",
 }
 PLUGIN_SPEC_CODES = {
     "invalid": "plugin-spec-invalid",
@@ -100,6 +103,92 @@ def imex_channel(machine: Machine, node: dict[str, Any]) -> bool:
         host_path(machine, host)).startswith(f"{machine.at(IMEX_CHANNELS_DIR)}/")
 
 
+# What nvidia-ctk writes for this root names files of the driver root, device nodes of
+# the dev root and plain container paths. A control character (a newline) or a `::` in a
+# path makes NVIDIA's create-symlinks hook (which splits --link at `::`) fail every GPU
+# pod; a `..` names another place than the one it seems to; a mount from elsewhere hands
+# every pod a file of the machine's.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Hook flags whose value is a path: create-symlinks' --link TARGET::LINK, update-ldcache's
+# --folder and --ldconfig-path (`@` marks a host path), chmod's --path.
+_PATH_FLAGS = ("--link", "--folder", "--ldconfig-path", "--path")
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` is not one plain absolute path, or None."""
+    if _CONTROL.search(path):
+        return "has a control character"
+    if "::" in path:
+        return "has a '::'"
+    if not path.startswith("/"):
+        return "is not absolute"
+    if ".." in path.split("/"):
+        return "has a '..'"
+    return None
+
+
+def _target_problem(target: str, link: str) -> str | None:
+    """Why a create-symlinks TARGET is not sane for its LINK, or None. A relative target
+    may climb (`../card1` from /dev/dri/by-path), never above the container's root."""
+    if not target:
+        return "has no target"
+    depth = 0 if target.startswith("/") else len(
+        [p for p in posixpath.dirname(link).split("/") if p not in ("", ".")])
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return "has a target that climbs above the container's root"
+        elif part not in ("", "."):
+            depth += 1
+    return None
+
+
+def _path_args(args: list[str]) -> Iterator[tuple[str, str]]:
+    """(flag, value) of every path flag of a hook, given as `--flag value` or `--flag=value`."""
+    for before, arg in zip(["", *args], args, strict=False):
+        flag, equals, value = arg.partition("=")
+        if before in _PATH_FLAGS:
+            yield before, arg
+        elif equals and flag in _PATH_FLAGS:
+            yield flag, value
+
+
+def hook_problem(args: list[Any]) -> tuple[str, str] | None:
+    """(the argument, why) for the first argument of a hook that is not sane, or None."""
+    for arg in args:
+        if not isinstance(arg, str) or _CONTROL.search(arg):
+            return str(arg), "has a control character" if isinstance(arg, str) else "is no string"
+    for flag, value in _path_args(args):
+        if flag == "--link":
+            target, separator, link = value.partition("::")
+            why = (path_problem(link) or _target_problem(target, link)) if separator else \
+                "has no '::'"
+        else:
+            why = path_problem(value.removeprefix("@") if flag == "--ldconfig-path" else value)
+        if why:
+            return f"{flag} {value}", why
+    return None
+
+
+def _mount_problem(machine: Machine, mount: dict[str, Any], path: Path) -> str | None:
+    """Why a mount of our spec is not a plain path of the driver root (or a device node
+    of the dev root) at a plain container path, or None."""
+    raw, inside = str(mount.get("hostPath", "")), mount.get("containerPath")
+    if why := path_problem(raw):
+        return f"{raw!r}, which {why}"
+    if isinstance(inside, str) and (why := path_problem(inside)):
+        return f"{raw} at {inside!r}, which {why}"
+    if path.is_relative_to(machine.driver_root):
+        return None
+    try:
+        if path.is_relative_to(machine.at("/dev")) and stat.S_ISCHR(os.stat(path).st_mode):
+            return None
+    except OSError:
+        pass
+    return f"{raw}, which is outside {machine.driver_root}"
+
+
 def _numbers(node: dict[str, Any]) -> tuple[int, int] | None:
     """The (major, minor) a deviceNodes entry gives, None when it gives no major (the
     runtime then takes the host node's); a missing minor is 0 (omitempty)."""
@@ -133,6 +222,8 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
             problems.append(Problem(codes["staging-path"],
                                     f"{where} mounts {raw} from the staging mounts, which GPU "
                                     "pods cannot rely on", raw))
+        elif "unsafe-path" in codes and (why := _mount_problem(machine, mount, path)):
+            problems.append(Problem(codes["unsafe-path"], f"{where} mounts {why}", raw))
         elif not os.path.exists(path):
             problems.append(Problem(codes["missing-host-path"],
                                     f"{where} mounts {raw}, which does not exist", raw))
@@ -167,6 +258,13 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
                                     f"{where} gives device node {raw!r} the numbers "
                                     f"{major}:{minor}, but it is "
                                     f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}", raw))
+    # Our spec only: the device plugin's names its own driver root and hooks.
+    for hook in _entries(edits, "hooks") if "unsafe-path" in codes else []:
+        args = hook.get("args")
+        if isinstance(args, list) and (bad := hook_problem(args)):
+            problems.append(Problem(codes["unsafe-path"],
+                                    f"{where} runs hook {hook.get('path')} with "
+                                    f"{bad[0]!r}, which {bad[1]}", bad[0]))
     patterns = [("libcuda.so", "library"), ("libnvidia-ml.so", "library")]
     patterns += [(h, "helper") for h in helpers]
     for name, what in patterns:
