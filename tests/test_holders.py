@@ -6,6 +6,7 @@ simulated machine's /proc/<pid> is the real one, bound in."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from invariants import product_argv, product_env
 from unbounded_nvidia_setup import holders
 
 import simgpu
@@ -117,6 +119,26 @@ def test_the_run_itself_does_not_fail_for_old_pods(m: simgpu.SimMachine, cli: Cl
     pods.start(root_of(m), "driver-root")
     new_generation(m, cli)
     assert codes(check_json(cli, m)) == {"pod-on-old-root"}
+
+
+def test_a_check_without_capabilities_names_them_too(m: simgpu.SimMachine, cli: Cli,
+                                                     pods: Pods) -> None:
+    """The drift check's unit runs `check` with no capabilities (CapabilityBoundingSet=
+    empty). A pod's /proc/<pid>/ns/mnt then cannot be read (it needs ptrace access), and
+    `check` used to skip every such process: the unit said `ready` while full root named
+    the pod (issue 37, point 2). mountinfo is readable by anyone, and is enough."""
+    assert cli(m.root, "run").code == 0
+    plugin = pods.start(root_of(m), "driver-root")
+    new_generation(m, cli)
+    out = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all",
+                          *product_argv(m.root, "check", "--json")], capture_output=True,
+                         text=True, env=product_env(None), timeout=60, stdin=subprocess.DEVNULL)
+    denied = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "readlink",
+                             "-e", f"/proc/{plugin}/ns/mnt"], capture_output=True, text=True)
+    assert denied.returncode != 0, "the sandbox this test stands for can read a pod's namespace"
+    report = json.loads(out.stdout)
+    found = [p["path"] for p in report["problems"] if p["code"] == "pod-on-old-root"]
+    assert found == [str(m.root / "proc" / str(plugin))], (report, out.stderr)
 
 
 def test_mountinfo_and_cgroup_as_the_kernel_writes_them() -> None:

@@ -11,7 +11,9 @@ The kernel shows a bind mount's source in /proc/<pid>/mountinfo (proc(5)): field
 filesystem's major:minor, field 4 the path of the mounted directory within it, which
 follows renames and ends in `//deleted` once the directory is gone. A mount of the driver
 root's parent (/run/nvidia) follows every swap and is never stale. Processes that share a
-mount namespace share the answer, so each namespace's table is read once.
+mount namespace share the answer, so each namespace's table is read once where the
+namespace can be told; the drift check's unit, without capabilities, cannot tell a pod's
+namespace and reads each process's table, which anyone may.
 """
 
 from __future__ import annotations
@@ -109,10 +111,20 @@ def stale_holders(machine: Machine) -> list[Holder]:
         base = f"{proc}/{pid}"
         try:
             namespace = os.readlink(f"{base}/ns/mnt")
+            text = None
+        except PermissionError:
+            # The namespace link needs ptrace access, which the drift check's unit (no
+            # capabilities) lacks for every pod; mountinfo is world-readable (issue 37).
+            # Processes that show the same table share the answer as one namespace would.
+            text = _read(f"{base}/mountinfo")
+            if text is None:
+                continue
+            namespace = text
         except OSError:
-            continue  # gone, or a kernel thread
+            continue  # gone
         if namespace not in stale_in:
-            text = _read(f"{base}/mountinfo") or ""
+            text = _read(f"{base}/mountinfo") if text is None else text
+            text = text or ""
             # Most namespaces mount no generation at all: one substring search says so,
             # and only the rest are parsed (a node's table has hundreds of lines).
             stale_in[namespace] = [] if f" {prefix}" not in text else [

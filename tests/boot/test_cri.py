@@ -405,6 +405,13 @@ def test_restart_with_pods_running_and_a_driver_upgrade(cri_node: Any) -> None:
                      for name, pid in pids.items()}
         report_check = check_json(m)
         held = [p for p in report_check["problems"] if p["code"] == "pod-on-old-root"]
+        # The drift check's own unit, in its sandbox without capabilities, must name it
+        # too: it is what reaches the metrics (issue 37, point 2).
+        check_unit = "unbounded-nvidia-setup-check.service"
+        since = m.exec("date", "+%Y-%m-%d %H:%M:%S").stdout.strip()
+        m.systemctl("start", check_unit)
+        unit_says = m.journal("--since", since, "-o", "cat", unit=check_unit)
+        unit_result = m.show(check_unit, "Result", "ExecMainStatus")
         evidence = {"after": after, "regenerated": regen, "mountinfo": mountinfo,
                     "pod-on-old-root": held, "verdict": report_check["verdict"],
                     "pids": pids, "restart_s": round(restart_s, 1)}
@@ -417,6 +424,9 @@ def test_restart_with_pods_running_and_a_driver_upgrade(cri_node: Any) -> None:
         assert not regen["old"].get("libcuda") and not regen["old"].get("nvml"), evidence
         assert [f"pid {pids['old']} " in p["message"] for p in held] == [True], evidence
         assert not any(f"pid {pids['parent']} " in p["message"] for p in held), evidence
+        assert f"pid {pids['old']} " in unit_says, (unit_result, unit_says)
+        assert f"pid {pids['parent']} " not in unit_says, unit_says
+        assert unit_result["ExecMainStatus"] == "1", (unit_result, unit_says)
         record_timing("cri restart + upgrade (d)", m, snapshot(m),
                       note=f"restart {restart_s:.1f} s")
         # Seen here: after containerd's restart, StopPodSandbox and RemovePodSandbox of
