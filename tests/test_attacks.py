@@ -5,15 +5,22 @@ hostile staged file would, and each seen to work on the product before it.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import resource
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import invariants
+
 import elfmutate
 import simgpu
-from conftest import Cli, needs_root
+from conftest import Cli, needs_root, needs_tool
 from test_lost_gpu import check_json
 
 pytestmark = needs_root
@@ -117,18 +124,98 @@ def test_a_config_others_can_write_is_refused(m: simgpu.SimMachine, cli: Cli) ->
         out.errors[0], out.stderr
 
 
-def test_a_fifo_in_place_of_the_lock_does_not_hang_check(m: simgpu.SimMachine,
-                                                         cli: Cli) -> None:
-    """The lock's directory, /run/lock, is world-writable. Before, a FIFO created there
-    under the lock's name made `check`'s open block for ever (and the drift check's
-    unit has no TimeoutStartSec=). Now `check` opens it without blocking and takes only
-    a regular file of root's for a lock."""
-    assert cli(m.root, "run").code == 0
-    lock = m.root / "run/lock/unbounded-nvidia-setup.lock"
+def test_the_lock_is_out_of_a_strangers_reach(m: simgpu.SimMachine, cli: Cli) -> None:
+    """The lock was /run/lock/unbounded-nvidia-setup.lock, in a world-writable directory:
+    any process that created it first and held an flock on it made every run exit 75, and
+    a FIFO under its name made `check`'s open block for ever. Now it is
+    /run/unbounded-nvidia-setup.lock: /run is root's alone, and the file is root's 0600,
+    so no other user can create, open or flock it. A holder of the old name stops nothing."""
+    assert Path("/run").stat().st_uid == 0 and not Path("/run").stat().st_mode & 0o022
+    old = m.root / "run/lock/unbounded-nvidia-setup.lock"
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.parent.chmod(0o1777)
+    old.touch()
+    with old.open() as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = cli(m.root, "run", timeout=120)
+    assert out.code == 0, out.stderr
+    lock = m.root / "run/unbounded-nvidia-setup.lock"
+    st = lock.stat()
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+    # A FIFO there (root put it, by mistake) still does not hang `check`.
     lock.unlink()
     os.mkfifo(lock)
     out = cli(m.root, "check", timeout=30)
     assert out.code == 0 and "verdict: ready" in out.stdout, out.stdout
+
+
+def test_a_flock_on_the_metrics_directory_stops_no_metrics(m: simgpu.SimMachine,
+                                                          cli: Cli) -> None:
+    """node_exporter's textfile directory is world-readable: any process can open it and
+    hold an flock on it. Writers used to serialize on exactly that flock, so a stranger
+    holding it stopped every run's and every check's metrics. Now they lock a file of
+    root's, mode 0600, that no other user can open."""
+    directory = m.root / "var/lib/prometheus/node-exporter"
+    directory.mkdir(parents=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        out = cli(m.root, "run")
+        assert out.code == 0 and "metrics not written" not in out.stderr, out.stderr
+        out = cli(m.root, "check", "--metrics")
+        assert out.code == 0 and "metrics not written" not in out.stderr, out.stderr
+    finally:
+        os.close(fd)
+    assert "unbounded_nvidia_setup_check_ok 1" in \
+        (directory / "unbounded_nvidia_setup.prom").read_text()
+    st = (directory / ".unbounded_nvidia_setup.prom.lock").stat()
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+
+
+@needs_tool("strace")
+def test_legacy_links_are_removed_relative_to_their_directory(m: simgpu.SimMachine) -> None:
+    """An older agent's links in /usr/lib/<multiarch> are judged from a scandir and then
+    removed. By path, a directory on that path changed in between (a link swapped in)
+    would take the unlink elsewhere; relative to the directory's descriptor, the unlink
+    reaches the directory that was judged. Seen in strace: unlinkat(<dir fd>, name)."""
+    usr = m.root / "usr/lib/x86_64-linux-gnu"
+    usr.mkdir(parents=True, exist_ok=True)
+    os.symlink(f"/run/host-nvidia/0/libcuda.so.{m.version}", usr / "libcuda.so.1")
+    run = invariants.traced(m.root, "run")
+    assert run.outcome.code == 0, run.outcome.stderr
+    assert not os.path.lexists(usr / "libcuda.so.1")
+    unlinks = [c for c in run.calls if c.name in ("unlink", "unlinkat")
+               and c.args and "libcuda.so.1" in c.args[-2 if c.name == "unlinkat" else 0]]
+    assert unlinks and all(c.name == "unlinkat" and re.fullmatch(rf"\d+<{re.escape(str(usr))}>",
+                                                                 c.args[0])
+                           and c.args[1] == '"libcuda.so.1"' for c in unlinks), unlinks
+
+
+@needs_tool("strace")
+@pytest.mark.parametrize("refused", ["flock", "renameat2", "openat:when=200", "fsync",
+                                     "mkdir", "ioctl"])
+def test_a_call_the_sandbox_refuses_ends_the_run_in_its_own_words(
+        m: simgpu.SimMachine, cli: Cli, refused: str) -> None:
+    """The unit's SystemCallFilter= answers a call it blocks with EPERM
+    (SystemCallErrorNumber=), as does a drop-in that narrows it: the run must end in one
+    line, exit 1 (the unit retries), never a traceback or a hang, with the live root and
+    spec as they were. strace's error injection returns what seccomp would."""
+    assert cli(m.root, "run").code == 0
+    spec = (m.root / "etc/cdi/nvidia.yaml").read_bytes()
+    (m.lib_dir / f"libnvidia-cfg.so.{m.version}").touch()  # a new generation to swap in
+    name, _, when = refused.partition(":")
+    run = invariants.traced(m.root, "run", "--force", timeout=120,
+                            inject=f"{name}:error=EPERM" + (f":{when}" if when else ""))
+    out = run.outcome
+    refused_calls = [c for c in run.calls if c.name == name and "EPERM" in c.result]
+    if out.code == 0:  # a call whose failure the product rightly takes in its stride
+        assert refused_calls, f"{refused}: never made"
+        return
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.code == 1 and len(errors) == 1, out.stderr
+    assert "not permitted" in errors[0].lower(), errors[0]
+    assert (m.root / "etc/cdi/nvidia.yaml").read_bytes() == spec
+    assert cli(m.root, "run").code == 0
 
 
 def test_code_planted_in_the_working_directory_is_not_run(tmp_path: Path) -> None:
@@ -177,3 +264,139 @@ def test_the_device_plugins_spec_is_read_bounded(m: simgpu.SimMachine, cli: Cli)
                     + "x" * (5 << 20) + '"}')
     out = cli(m.root, "check", "--json", timeout=30)
     assert '"plugin-spec-invalid"' in out.stdout and "larger than 4194304 bytes" in out.stdout
+
+
+def test_an_unsafe_name_behind_a_safe_link_stays_out_of_root_and_spec(
+        m: simgpu.SimMachine, cli: Cli) -> None:
+    """A staged link with a plain name, libnvidia-ok.so.1, to a real library named
+    `libnvidia-ok.so x<newline>::evil.so.<ver>`. Before, the link's name passed the
+    plain-name rule and its file was copied into the root under the file's own name:
+    nvidia-ctk put that name in every pod's mounts and create-symlinks --link, which
+    NVIDIA's hook fails on, so every GPU pod failed. Now a file enters the root only under
+    a plain name: the link and its file are left out, said in one line, and the root's
+    SONAME link is not made either (nothing dangles)."""
+    import elfbuild
+
+    hostile = f"libnvidia-ok.so x\n::evil.so.{m.version}"
+    elfbuild.compile_so(m.lib_dir / hostile, "libnvidia-ok.so.1")
+    (m.lib_dir / "libnvidia-ok.so.1").symlink_to(hostile)
+    out = cli(m.root, "run")
+    assert out.code == 0, out.stderr
+    in_root = [str(p) for p in m.driver_root.rglob("*") if "ok.so" in p.name]
+    assert in_root == [], in_root
+    spec = m.cdi_spec.read_text()
+    assert "evil" not in spec and "libnvidia-ok" not in spec, spec
+    said = [line for line in out.warnings if "libnvidia-ok.so.1: links to" in line]
+    assert len(said) == 1 and "the link and its file are left out" in said[0], out.stderr
+    report = check_json(cli, m)
+    assert report["ok"] is True, report["problems"]
+    assert str(m.lib_dir / "libnvidia-ok.so.1") in [left["path"] for left in report["left_out"]]
+
+
+def hostile_spec_ctk(directory: Path, doc: object) -> Path:
+    """A stand-in nvidia-ctk (config key `nvidia_ctk`) whose `cdi generate` writes `doc`
+    as the spec; `--version` answers 1.20.0."""
+    import yaml
+
+    directory.mkdir(exist_ok=True)
+    spec = directory / "spec.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    script = directory / "nvidia-ctk"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = --version ]; then
+    printf 'NVIDIA Container Toolkit CLI version 1.20.0\\ncommit: 0\\n'; exit 0
+fi
+for arg; do case "$arg" in --output=*) cp {spec} "${{arg#--output=}}";; esac; done
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_a_spec_naming_paths_outside_the_root_is_not_installed(
+        m: simgpu.SimMachine, cli: Cli, tmp_path: Path) -> None:
+    """nvidia-ctk's spec was checked for staging paths and missing files only: one that
+    mounted a file of the machine's (its config), or whose hooks named a `..` path, a
+    newline or a second `::`, was installed and handed to every GPU pod. Now each mount
+    must be a plain path of the driver root (or a device node), each hook path argument
+    plain: such a spec is refused in one line, the previous spec kept; `check` reports a
+    spec changed so afterwards as spec-unsafe-path."""
+    import copy
+    from typing import Any
+
+    import yaml
+
+    assert cli(m.root, "run").code == 0
+    good = m.cdi_spec.read_bytes()
+    doc = yaml.safe_load(good)
+    outside = str(m.config_path)
+
+    def args_of(d: dict[str, Any], hook: str) -> list[str]:
+        found: list[str]
+        found, = [h["args"] for h in d["containerEdits"]["hooks"] if hook in h["args"]]
+        return found  # the hook's own list: changing it changes `d`
+
+    def mount_outside(d: dict[str, Any]) -> None:
+        d["containerEdits"]["mounts"].append({"hostPath": outside, "containerPath": "/x.so",
+                                              "options": ["ro", "nosuid", "nodev", "rbind"]})
+
+    def folder_escaping(d: dict[str, Any]) -> None:
+        args_of(d, "update-ldcache").extend(["--folder", "/lib/../../etc"])
+
+    def link_with_newline(d: dict[str, Any]) -> None:
+        args_of(d, "create-symlinks").extend(
+            ["--link", "libcuda.so.1::/lib/x86_64-linux-gnu/libcuda.so\n::evil"])
+
+    def target_escaping(d: dict[str, Any]) -> None:
+        args_of(d, "create-symlinks").extend(
+            ["--link", "../../../../etc/shadow::/lib/x86_64-linux-gnu/libx.so"])
+
+    for change, words in ((mount_outside, f"mounts {outside}, which is outside"),
+                          (folder_escaping, "'--folder /lib/../../etc', which has a '..'"),
+                          (link_with_newline, "which has a control character"),
+                          (target_escaping, "climbs above the container's root")):
+        hostile = copy.deepcopy(doc)
+        change(hostile)
+        m.write_config(nvidia_ctk=str(hostile_spec_ctk(tmp_path / change.__name__, hostile)))
+        out = cli(m.root, "run")
+        assert out.code == 1, (change.__name__, out.stderr)
+        error, = out.errors
+        assert words in error and "it was not installed" in error, error
+        assert "the previous driver root and spec were kept" in error, error
+        assert m.cdi_spec.read_bytes() == good
+        m.cdi_spec.write_text(yaml.safe_dump(hostile))
+        report = check_json(cli, m)
+        assert "spec-unsafe-path" in [p["code"] for p in report["problems"]], report
+        m.cdi_spec.write_bytes(good)
+
+
+def test_the_hook_arguments_nvidia_ctk_writes_pass_and_hostile_ones_do_not() -> None:
+    """spec.hook_problem on argument lists as NVIDIA's nvidia-ctk writes them (relative
+    targets that climb, as the DRM by-path and GBM links do; bus ids with single colons;
+    `@` host paths; `--flag=value`), and on hostile ones."""
+    from unbounded_nvidia_setup.spec import hook_problem
+
+    lib = "/usr/lib/x86_64-linux-gnu"
+    fine = [
+        ["nvidia-cdi-hook", "create-symlinks", "--link", f"libcuda.so.1::{lib}/libcuda.so",
+         "--link", f"../libnvidia-allocator.so.1::{lib}/gbm/nvidia-drm_gbm.so",
+         "--link", "../card1::/dev/dri/by-path/pci-0000:17:00.0-card"],
+        ["nvidia-cdi-hook", "update-ldcache", "--ldconfig-path=@/sbin/ldconfig.real",
+         "--folder", lib, f"--folder={lib}/vdpau"],
+        ["nvidia-ctk", "hook", "enable-cuda-compat", "--host-driver-version=550.127.05"],
+        ["nvidia-cdi-hook", "chmod", "--mode", "755", "--path", "/dev/dri"],
+    ]
+    assert [hook_problem(args) for args in fine] == [None] * len(fine)
+    hostile = [
+        (["--link", f"libnvidia-ok.so x\n::evil.so.1::{lib}/libnvidia-ok.so.1"],
+         "has a control character"),
+        (["--link", f"a.so::b::{lib}/a.so.1"], "has a '::'"),
+        (["--link", f"../../../../etc/shadow::{lib}/x.so"],
+         "has a target that climbs above the container's root"),
+        (["--link", f"x.so::{lib}/../../../etc/x.so"], "has a '..'"),
+        ([f"--link={lib}/x.so"], "has no '::'"),
+        (["--folder", "lib"], "is not absolute"),
+        (["--ldconfig-path", "@/sbin/../tmp/ldconfig"], "has a '..'"),
+        (["--host-driver-version=550\n"], "has a control character"),
+    ]
+    assert [(why := hook_problem(args)) and why[1] for args, _ in hostile] == \
+        [want for _, want in hostile]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from . import __version__, log
 from .config import Machine, load_config
-from .log import EXIT_FAILED, EXIT_USAGE, Failure
+from .log import EXIT_FAILED, EXIT_USAGE, Failure, die
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -29,7 +29,15 @@ PROG = "unbounded-nvidia-setup"
 def _guarded(action: Callable[[], T]) -> T:
     """The single place expected failures become one line and an exit code."""
     try:
-        return action()
+        try:
+            return action()
+        except PermissionError as e:
+            # Not expected of root; but the unit's sandbox answers a call it blocks with
+            # EPERM (SystemCallErrorNumber=), and so does a drop-in that narrows it.
+            where = f" on {e.filename}" if e.filename else ""
+            die(f"{e.strerror or 'permission denied'}{where}", hint="the unit's sandbox or "
+                "a drop-in (SystemCallFilter=, CapabilityBoundingSet=, ReadWritePaths=) "
+                "refused it: `systemctl cat unbounded-nvidia-setup` shows them")
     except Failure as e:
         log.error(e.message)
         # STATUS= only: the journal has the line already.
