@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "docs" / "alerts.yml"
 ALERTS = ("NvidiaSetupFailing", "NvidiaSetupDrift", "NvidiaSetupDegraded",
           "NvidiaSetupNoUsableGpu", "NvidiaSetupReloadFailing", "NvidiaSetupCheckStale",
-          "NvidiaDriverVersionMismatch")
+          "NvidiaDriverVersionMismatch", "NvidiaConsumerSpecStale")
 
 pytestmark = needs_tool(PROMTOOL, " (Debian's prometheus)")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import log
+from . import consumers, log
 from .config import Machine
 from .gpus import status_lines
 from .outcome import when, when_at
@@ -101,6 +101,7 @@ def render_status(machine: Machine, report: Report) -> str:
             f"Device plugin:  {_plugin_line(plugin)}",
         ]
         lines += status_lines(report.sections.get("gpus", {}))
+        lines += consumers.status_lines(report.sections.get("nvidia_specs", {}).get("specs", []))
     image = report.sections.get("image")
     if image:
         lines.append(f"Image:          {image['root']}, a stopped machine (its /proc is empty): "

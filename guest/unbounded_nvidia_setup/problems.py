@@ -38,7 +38,8 @@ PROBLEM_CODES = (
     "spec-unsafe-path",
     "plugin-spec-invalid", "plugin-spec-missing-host-path", "plugin-spec-missing-library",
     "plugin-spec-staging-path", "plugin-spec-no-devices", "plugin-spec-bad-device-node",
-    "plugin-spec-unusable-gpu", "image-unit-missing", "image-unit-disabled",
+    "plugin-spec-unusable-gpu", "consumer-spec-stale", "image-unit-missing",
+    "image-unit-disabled",
 )
 
 # Problems that mean "the host has not staged the driver, or bound its devices, yet", or

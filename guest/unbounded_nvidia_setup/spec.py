@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -11,11 +12,50 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .config import IMEX_CHANNELS_DIR, Machine
+from .config import IMEX_CHANNELS_DIR, Machine, load_yaml
 from .gpus import edits as _edits
 from .problems import Problem
 
 KIND = "nvidia.com/gpu"
+
+
+# A spec is read whole; NVIDIA's run to tens of KiB (a GB300 node's, every MIG device
+# and IMEX channel in it, well under 1 MiB). A larger file is no spec of theirs.
+SPEC_MAX = 1 << 22
+
+
+def load(path: Path) -> tuple[Any, str | None]:
+    """(document, None) or (None, why it could not be read). Only a regular file, never
+    through a symlink, never waiting on a FIFO, at most SPEC_MAX bytes (issue 37)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return None, "a symlink" if e.errno == errno.ELOOP else e.strerror
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        data = os.read(fd, SPEC_MAX + 1)
+    except OSError as e:
+        return None, e.strerror
+    finally:
+        os.close(fd)
+    if len(data) > SPEC_MAX:
+        return None, f"larger than {SPEC_MAX} bytes, more than any CDI spec"
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None, "not text"
+    import yaml
+
+    try:
+        if path.suffix == ".json":  # the device plugin's spec: json stays off a run's imports
+            import json
+
+            return json.loads(text), None
+        return load_yaml(text), None
+    except (ValueError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"does not parse: {first}"
 
 
 def host_path(machine: Machine, path: str) -> Path:

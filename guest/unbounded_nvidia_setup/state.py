@@ -3,19 +3,18 @@ a run proves its end state with (reconcile._verify_end_state). Rendering is chec
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import devices, discover, driver, gpus, linker, outcome, searchorder, tree
-from .config import Machine, load_yaml
+from .config import Machine
 from .log import EXIT_TEMPFAIL, Failure
 from .plan import ACTIVE_LINKS, LeftOut, Manifest, Plan
 from .problems import REBUILT_CODES, SERVING_CODES, WAITING_CODES, Problem
 from .spec import KIND, PLUGIN_SPEC_CODES, SPEC_CODES, device_names, spec_problems
+from .spec import load as load_spec
 from .verify import library_sonames, root_problems, root_version
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ UNIT = "unbounded-nvidia-setup.service"
 # section's `written_at` and `gpus` (issue 35); 4: `pending`, the code `setup-pending`,
 # the unit section's `n_restarts`, `result` and `status_text`, the verdict `image` with
 # its section and the codes `image-unit-missing` and `image-unit-disabled` (issue 36).
-SCHEMA_MINOR = 4
+SCHEMA_MINOR = 5
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
 DEGRADED, NO_USABLE_GPU, IMAGE = "degraded", "no-usable-gpu", "image"
 VERDICTS = (READY, DEGRADED, NO_USABLE_GPU, NO_GPU, NOT_READY_YET, BROKEN, IMAGE)
@@ -140,45 +139,6 @@ class Report:
         return out
 
 
-# A spec is read whole; NVIDIA's run to tens of KiB (a GB300 node's, every MIG device
-# and IMEX channel in it, well under 1 MiB). A larger file is no spec of theirs.
-SPEC_MAX = 1 << 22
-
-
-def _load(path: Path, as_json: bool) -> tuple[Any, str | None]:
-    """(document, None) or (None, why it could not be read). Only a regular file, never
-    through a symlink, never waiting on a FIFO, at most SPEC_MAX bytes (issue 37)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        return None, "a symlink" if e.errno == errno.ELOOP else e.strerror
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, "not a regular file"
-        data = os.read(fd, SPEC_MAX + 1)
-    except OSError as e:
-        return None, e.strerror
-    finally:
-        os.close(fd)
-    if len(data) > SPEC_MAX:
-        return None, f"larger than {SPEC_MAX} bytes, more than any CDI spec"
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        return None, "not text"
-    import yaml
-
-    try:
-        if as_json:  # only the device plugin's spec: json stays off a run's imports
-            import json
-
-            return json.loads(text), None
-        return load_yaml(text), None
-    except (ValueError, yaml.YAMLError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return None, f"does not parse: {first}"
-
-
 def _check_root(machine: Machine, report: Report,
                 want: Manifest | None) -> tuple[str | None, dict[str, str | None] | None]:
     """The root's driver version and the DT_SONAMEs of its library directory (read once,
@@ -269,7 +229,7 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
             report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
         _check_gpus(machine, report, None, found)
         return
-    doc, why = _load(path, path.suffix == ".json")
+    doc, why = load_spec(path)
     if why:
         report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
         return
@@ -325,7 +285,7 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
         return
     section: dict[str, Any] = {"path": str(path), "present": True, "written_at": written}
     report.sections["device_plugin_spec"] = section
-    doc, why = _load(path, True)
+    doc, why = load_spec(path)
     if why:
         report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
         return
@@ -409,7 +369,19 @@ def collect(machine: Machine, want: Manifest | None = None,
         # replaced until their owners restart them, as the device plugin's spec is
         # rewritten after kubelet starts. The run never kills pods; check names them.
         _check_holders(machine, report)
+        _check_consumer_specs(machine, report)
     return report
+
+
+def _check_consumer_specs(machine: Machine, report: Report) -> None:
+    """Every NVIDIA spec on the node, for `check` and `status` only (consumers.py)."""
+    from . import consumers
+
+    specs = consumers.read(machine)
+    report.sections["nvidia_specs"] = {
+        "directories": [str(machine.at(d)) for d in consumers.SPEC_DIRS],
+        "specs": [s.to_json(report.driver_version) for s in specs]}
+    report.problems += consumers.problems(specs)
 
 
 def _check_holders(machine: Machine, report: Report) -> None:

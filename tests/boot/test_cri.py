@@ -377,6 +377,17 @@ def test_restart_with_pods_running_and_a_driver_upgrade(cri_node: Any) -> None:
         pids = {name: container_pid(c, ctr) for name, ctr in pods.items()}
         ctd_before = snapshot(m, CONTAINERD)[CONTAINERD]
 
+        # The GPU Operator's toolkit and NVIDIA's DRA driver write their specs from the
+        # live root when their pods start (issue 38): nvidia-ctk as they run it.
+        consumer_specs = [f"/var/run/cdi/{name}" for name in (
+            "management.nvidia.com-gpu.yaml", "k8s.gpu.nvidia.com-claim_d.yaml")]
+        for out, (vendor, klass) in zip(consumer_specs, (("management.nvidia.com", "gpu"),
+                                                         ("k8s.gpu.nvidia.com", "claim"))):
+            m.exec("nvidia-ctk", "cdi", "generate", "--mode=management",
+                   f"--driver-root={DRIVER_ROOT}", "--dev-root=/", f"--vendor={vendor}",
+                   f"--class={klass}", f"--output={out}")
+        assert not [p for p in check_json(m)["problems"] if p["code"] == "consumer-spec-stale"]
+
         upgrade_staging(cn, new_drv)
         restart_start = time.monotonic()
         res = host_command(m, "restart")  # docs/host-integration.md's own command
@@ -424,6 +435,11 @@ def test_restart_with_pods_running_and_a_driver_upgrade(cri_node: Any) -> None:
         assert not regen["old"].get("libcuda") and not regen["old"].get("nvml"), evidence
         assert [f"pid {pids['old']} " in p["message"] for p in held] == [True], evidence
         assert not any(f"pid {pids['parent']} " in p["message"] for p in held), evidence
+        stale = {p["path"]: p["message"] for p in report_check["problems"]
+                 if p["code"] == "consumer-spec-stale"}
+        assert set(stale) == set(consumer_specs), report_check["problems"]
+        assert all(f"driver {old_drv.version}" in text for text in stale.values()), stale
+        assert all(path in unit_says for path in consumer_specs), unit_says
         assert f"pid {pids['old']} " in unit_says, (unit_result, unit_says)
         assert f"pid {pids['parent']} " not in unit_says, unit_says
         assert unit_result["ExecMainStatus"] == "1", (unit_result, unit_says)
