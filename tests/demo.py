@@ -8,13 +8,18 @@ view with the staging mounts hidden. It ends with a GPU pod: on a machine staged
 real NVIDIA userspace from Debian non-free, podman + runc start a container from the spec
 `run` installed, beside the incident's spec that lacks libcuda and NVML.
 
-With UNB_TEST_NVIDIA_CTK naming a real nvidia-ctk (tests/toolkit.py) it runs that one
-and its nvidia-cdi-hook instead of the stand-ins.
+NVIDIA's own tools are used when they are beside the checkout (../shared, as .ci/run
+finds them): its nvidia-ctk and nvidia-cdi-hook in place of the stand-ins, `run` then
+generating in NVML mode against the simulated NVML of the staging, and its device plugin.
+UNB_TEST_NVIDIA_CTK (tests/toolkit.py) chooses instead when it is set: a real nvidia-ctk
+it names, or the stand-ins when it is set empty. A fresh clone has no ../shared and runs
+the stand-ins; the demo says which nvidia-ctk it runs, and why.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -33,10 +38,52 @@ from realmachine import real_machine
 TOOL = [sys.executable, "-m", "unbounded_nvidia_setup"]
 
 
+CHECKOUT = Path(__file__).resolve().parent.parent
+# NVIDIA's real binaries beside the checkout, as .ci/run finds them. A fresh clone has
+# none: the demo then runs the stand-ins, saying so.
+SHARED = CHECKOUT.parent / "shared"
 # NVIDIA's real device plugin, when it is beside the checkout (or UNB_TEST_DEVICE_PLUGIN
-# names it): a fresh clone has none, and the demo then imitates it, saying so.
-SHARED_PLUGIN = (Path(__file__).resolve().parent.parent.parent / "shared" / "k8s-device-plugin"
-                 / "bin" / "nvidia-device-plugin")
+# names it): without it the demo imitates it, saying so.
+SHARED_PLUGIN = SHARED / "k8s-device-plugin" / "bin" / "nvidia-device-plugin"
+# NVIDIA's real nvidia-ctk, with its nvidia-cdi-hook in the same directory.
+SHARED_NVIDIA_CTK = SHARED / "nvidia-container-toolkit" / "bin" / "nvidia-ctk"
+
+
+def executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def choose_nvidia_ctk() -> str:
+    """Choose the nvidia-ctk the demo runs, for tests/toolkit.py and for every program the
+    demo starts (they inherit UNB_TEST_NVIDIA_CTK): the one UNB_TEST_NVIDIA_CTK names
+    when it is set (set empty: the stand-in), else NVIDIA's beside the checkout when it
+    is there with its nvidia-cdi-hook, else the stand-in. Returns where the choice came
+    from, in words for the step line."""
+    if toolkit.ENV in os.environ:
+        return (f"named by {toolkit.ENV}" if os.environ[toolkit.ENV] else
+                f"{toolkit.ENV} is set empty")
+    if not (executable(SHARED_NVIDIA_CTK)
+            and executable(SHARED_NVIDIA_CTK.with_name("nvidia-cdi-hook"))):
+        return "NVIDIA's nvidia-ctk is not beside the checkout"
+    os.environ[toolkit.ENV] = str(SHARED_NVIDIA_CTK)
+    # toolkit chose at import from the environment: choose again (the modules that use
+    # it read toolkit.NVIDIA_CTK, NVIDIA_CDI_HOOK, REAL when they run).
+    importlib.reload(toolkit)
+    return "beside the checkout"
+
+
+def nvidia_ctk_step(why: str) -> None:
+    """One step line: which nvidia-ctk `run` uses, and why."""
+    if not toolkit.REAL:
+        stand_in = toolkit.STAND_IN_NVIDIA_CTK.relative_to(CHECKOUT)
+        step(f"nvidia-ctk: the stand-in ({stand_in}): {why}")
+        return
+    proc = subprocess.run([str(toolkit.NVIDIA_CTK), "--version"], text=True,
+                          capture_output=True)
+    lines = proc.stdout.splitlines()
+    version = lines[0] if proc.returncode == 0 and lines else (
+        f"--version failed: exit {proc.returncode}")
+    step(f"nvidia-ctk: NVIDIA's own, {why}: {toolkit.NVIDIA_CTK} ({version})")
 
 
 def plugin_binary() -> Path | None:
@@ -160,6 +207,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("demo: needs root (it creates device nodes with mknod)", file=sys.stderr)
         return 2
+    why = choose_nvidia_ctk()
     os.environ["PATH"] = toolkit.path_with_hook()
     work = Path(tempfile.mkdtemp(prefix="unbounded-nvidia-demo."))
     try:
@@ -172,6 +220,15 @@ def main() -> int:
         print(f"  {len(list(m.lib_dir.iterdir()))} entries in the host lib dir; driver "
               f"{m.version}, stale {', '.join(m.stale_versions)}, "
               f"{len(m.hostile)} hostile entries")
+
+        nvidia_ctk_step(why)
+        if not m.nvml_answers or m.nvidia_ctk_args():
+            raise SystemExit("demo: the simulated NVML does not answer on this machine")
+        config = [x for x in m.config_path.read_text().splitlines() if not x.startswith("#")]
+        print(f"  {m.config_path.relative_to(root)}: {', '.join(config)} (no --mode: "
+              "nvidia-ctk's auto, NVML mode on a GPU node, as shipped)")
+        print(f"  NVML: the staging's {(m.lib_dir / f'libnvidia-ml.so.{m.version}').name} is "
+              f"the simulated NVML (tests/simnvml.c), listing {len(m.nvml_gpus)} GPUs")
 
         step("run: build the driver root and the CDI spec")
         tool(root, "run")
@@ -189,6 +246,13 @@ def main() -> int:
               f"mounts, hooks {[h['args'][1] for h in edits.get('hooks', [])]}")
         for mount in edits.get("mounts", [])[:4]:
             print(f"  {mount['hostPath']} -> {mount['containerPath']}")
+        # Management mode names only "all": a device per index and per UUID is NVML's.
+        nvml_named = [str(i) for i in range(len(m.nvml_gpus))] + m.nvml_gpus
+        if not set(nvml_named) <= set(devices):
+            raise SystemExit(f"demo: the spec does not name the simulated NVML's GPUs "
+                             f"{nvml_named}: nvidia-ctk did not run in NVML mode")
+        print(f"  NVML mode: the spec names the {len(m.nvml_gpus)} GPUs the simulated NVML "
+              "lists by index and UUID (management mode names only 'all')")
 
         step("check and status")
         tool(root, "check")
