@@ -101,6 +101,9 @@ NVML_ENTRY_POINTS = (
     "nvmlDeviceGetCudaComputeCapability", "nvmlEventSetCreate", "nvmlEventSetFree",
     "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
     "nvmlEventSetWait_v2", "nvmlDeviceGetTopologyCommonAncestor", "nvmlDeviceGetNvLinkState",
+    # NVIDIA's nvidia-smi --version (550) calls these (tests/test_consumers.py)
+    "nvmlSystemGetNVMLVersion", "nvmlSystemGetCudaDriverVersion_v2",
+    "nvmlInternalGetExportTable",
 )
 NVML_SOURCE_FILE = Path(__file__).resolve().parent / "simnvml.c"
 _NVML_SOURCE = NVML_SOURCE_FILE.read_text()

@@ -156,6 +156,39 @@
  * the real library's (Debian 550.163.01), nvmlSystemGetDriverVersion = the version suffix
  * of this library's real file name (libnvidia-ml.so.<version>), PCI bus ids in NVML's
  * 8-digit domain form ("00000000:17:00.0", busIdLegacy "0000:17:00.0").
+ *
+ * What NVIDIA's nvidia-smi (Debian's 550.163.01) calls for `nvidia-smi --version`, the
+ * check NVIDIA's DRA driver and GPU Operator validator run against a driver root
+ * (tests/test_consumers.py), each answered as Debian's 535.309.01 and 550.163.01 answer
+ * it here (ctypes, no GPU) and no looser than nvml.h allows:
+ *   nvmlInitWithFlags(0)         as nvmlInit_v2 (flags are not read): 9 without the
+ *                                machine's driver; nvmlShutdown as above
+ *   nvmlSystemGetNVMLVersion     "<CUDA major>.<driver version>" ("12.550.163.01"), the
+ *                                CUDA major of the driver's branch (below 450: 10; below
+ *                                525: 11; below 580: 12; else 13); before init too, as the
+ *                                header lists no Uninitialized and the real one answers;
+ *                                NULL 2, a buffer shorter than the string and its NUL 7
+ *   nvmlSystemGetCudaDriverVersion_v2
+ *                                1 before init (the real one's answer, NULL or not), NULL
+ *                                2; else what cuDriverGetVersion() of the libcuda.so.1
+ *                                dlopen finds answers, as the header says: no such library
+ *                                12 (Library Not Found), no such function 13 (Function
+ *                                Not Found; the tests' simulated libcuda has none), a
+ *                                failing call 999
+ *   nvmlInternalGetExportTable   NVIDIA's private entry point, in no header: nvidia-smi
+ *                                asks it for a table of internal functions by a 16-byte
+ *                                UUID (c4fe3e6c-c98f-6c4e-a327-ee696e12f7c4) and answers
+ *                                anything but success with "Mismatch in versions between
+ *                                nvidia-smi and NVML", exit 255. The real one answers 0
+ *                                for that UUID, before init too, with a table whose first
+ *                                8 bytes are its size (0x7a8 in 535, 0x7d8 in 550) then
+ *                                function pointers, and 2 for an unknown UUID or a NULL
+ *                                argument. No private function is simulated: the table
+ *                                here is its size field alone (8, no entries), which
+ *                                nvidia-smi reads before calling an entry (it calls the
+ *                                one at offset 0xd0 only when the size covers it).
+ * nvmlSystemGetCudaDriverVersion (no _v2) is not exported: nothing here calls it, and its
+ * "known supported version number" when libcuda is missing is not the header's to say.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -188,6 +221,8 @@ enum {
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
     NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_UNKNOWN = 999,
 };
@@ -709,31 +744,91 @@ NVML_API const char *nvmlErrorString(int result)
     }
 }
 
-NVML_API int nvmlSystemGetDriverVersion(char *version, unsigned int length)
+/* The driver version this library stands for: the version suffix of its real file
+ * name (libnvidia-ml.so.<version>; digits and dots, at least one dot, not starting or
+ * ending with one, no two in a row), or NULL. */
+static const char *own_version(void)
 {
     const char *prefix = "libnvidia-ml.so.";
-    NEEDS_INIT();
     const char *base = strrchr(own_path, '/');
     base = base ? base + 1 : own_path;
     if (strncmp(base, prefix, strlen(prefix)) != 0)
-        return NVML_ERROR_UNKNOWN;
+        return NULL;
     const char *ver = base + strlen(prefix);
-    /* digits and dots, at least one dot, not starting or ending with one */
     int dots = 0;
     if (!isdigit((unsigned char)ver[0]) || !isdigit((unsigned char)ver[strlen(ver) - 1]))
-        return NVML_ERROR_UNKNOWN;
+        return NULL;
     for (const char *c = ver; *c; c++) {
         if (*c == '.') {
             if (c[1] == '.')
-                return NVML_ERROR_UNKNOWN;
+                return NULL;
             dots++;
         } else if (!isdigit((unsigned char)*c)) {
-            return NVML_ERROR_UNKNOWN;
+            return NULL;
         }
     }
-    if (dots == 0)
+    return dots ? ver : NULL;
+}
+
+NVML_API int nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    NEEDS_INIT();
+    const char *ver = own_version();
+    if (ver == NULL)
         return NVML_ERROR_UNKNOWN;
     return copy_out(ver, version, length);
+}
+
+/* "<CUDA major>.<driver version>": the CUDA major version the driver's branch ships
+ * with (450 brought CUDA 11, 525 CUDA 12, 580 CUDA 13). No init needed. */
+NVML_API int nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    char text[96];
+    if (version == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const char *ver = own_version();
+    if (ver == NULL)
+        return NVML_ERROR_UNKNOWN;
+    unsigned long branch = strtoul(ver, NULL, 10);
+    int cuda = branch < 450 ? 10 : branch < 525 ? 11 : branch < 580 ? 12 : 13;
+    if (snprintf(text, sizeof text, "%d.%s", cuda, ver) >= (int)sizeof text)
+        return NVML_ERROR_UNKNOWN;
+    return copy_out(text, version, length);
+}
+
+/* cuDriverGetVersion() of the libcuda.so.1 the dynamic linker finds, as the header says. */
+NVML_API int nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
+{
+    NEEDS_INIT();
+    if (cudaDriverVersion == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (cuda == NULL)
+        return NVML_ERROR_LIBRARY_NOT_FOUND;
+    int (*get)(int *) = (int (*)(int *))dlsym(cuda, "cuDriverGetVersion");
+    int ret = NVML_ERROR_FUNCTION_NOT_FOUND, value = 0;
+    if (get != NULL)
+        ret = get(&value) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+    dlclose(cuda);
+    if (ret == NVML_SUCCESS)
+        *cudaDriverVersion = value;
+    return ret;
+}
+
+/* NVIDIA's private table lookup (see the top of this file): the one table nvidia-smi
+ * asks for, holding no entry. */
+static const unsigned char smi_table_uuid[16] = {
+    0xc4, 0xfe, 0x3e, 0x6c, 0xc9, 0x8f, 0x6c, 0x4e,
+    0xa3, 0x27, 0xee, 0x69, 0x6e, 0x12, 0xf7, 0xc4,
+};
+static const unsigned long long smi_table[1] = {sizeof smi_table};
+
+NVML_API int nvmlInternalGetExportTable(const void **table, const unsigned char *uuid)
+{
+    if (table == NULL || uuid == NULL || memcmp(uuid, smi_table_uuid, sizeof smi_table_uuid))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *table = smi_table;
+    return NVML_SUCCESS;
 }
 
 /* ---------------------------------------------------------------- device handles */

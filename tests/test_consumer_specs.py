@@ -15,11 +15,12 @@ import os
 import subprocess
 from pathlib import Path
 
-import toolkit
 from check_schema import check_report
-from conftest import needs_root
 from invariants import run_cli
 from test_crash import Swapper, swapper
+
+import toolkit
+from conftest import needs_root
 
 pytestmark = needs_root
 

@@ -883,3 +883,85 @@ def test_a_container_reads_the_state_directory(machine: simgpu.SimMachine,
     assert run(state=True, ctl=True, xid_to=0, gpus=(0,)) == {
         "init": 0, "uuids": m.nvml_gpus[:1], "by_index": [0, 4, 4, 4], "wait": 0,
         "event": [m.nvml_gpus[0], XID_EVENT, 45]}
+
+
+# ------------------------------------------------- what NVIDIA's nvidia-smi --version calls
+
+# nvidia-smi's private table (tests/simnvml.c): the UUID it asks nvmlInternalGetExportTable for.
+SMI_TABLE_UUID = bytes.fromhex("c4fe3e6cc98f6c4ea327ee696e12f7c4")
+LIBRARY_NOT_FOUND, FUNCTION_NOT_FOUND, INSUFFICIENT_SIZE = 12, 13, 7
+_CUDA_PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.nvmlInit_v2() == 0
+version = ctypes.c_int(-1)
+print(lib.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(version)), version.value)
+"""
+
+
+def cuda_driver_version(m: simgpu.SimMachine, library_path: Path | None) -> tuple[int, int]:
+    """(code, version) of nvmlSystemGetCudaDriverVersion_v2 in a process whose dynamic
+    linker looks in ``library_path`` first (LD_LIBRARY_PATH; read at its start)."""
+    env = {"PATH": "/usr/bin:/bin"}
+    if library_path is not None:
+        env["LD_LIBRARY_PATH"] = str(library_path)
+    proc = subprocess.run([sys.executable, "-c", _CUDA_PROBE, str(m.lib_dir / "libnvidia-ml.so.1")],
+                          capture_output=True, text=True, env=env, timeout=30, check=True)
+    code, version = proc.stdout.split()
+    return int(code), int(version)
+
+
+def libcuda(directory: Path, body: str) -> Path:
+    """A libcuda.so.1 in ``directory`` with ``body`` as its C source."""
+    directory.mkdir()
+    source = directory / "cuda.c"
+    source.write_text(body)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(directory / "libcuda.so.1"), str(source)], check=True)
+    return directory
+
+
+def test_the_calls_of_nvidia_smi_version_answer_as_nvml_h_says(
+        machine: simgpu.SimMachine, tmp_path: Path) -> None:
+    """nvmlSystemGetNVMLVersion, nvmlSystemGetDriverVersion,
+    nvmlSystemGetCudaDriverVersion_v2 and NVIDIA's private nvmlInternalGetExportTable,
+    as Debian's 535.309.01 and 550.163.01 answer them (ctypes, no GPU) and nvml.h lists:
+    the NVML version "12.<driver>" before init too, a buffer one byte short 7, NULL 2;
+    the driver version only after init; the CUDA version 1 before init, then what the
+    libcuda.so.1 the dynamic linker finds says (none 12, no cuDriverGetVersion 13, a
+    failing one 999); nvidia-smi's table (its size field alone), before init too, and 2
+    for another UUID or a NULL argument."""
+    lib: Any = ctypes.CDLL(str(machine.lib_dir / "libnvidia-ml.so.1"))
+    text = f"12.{machine.version}"
+    buf = ctypes.create_string_buffer(80)
+    assert lib.nvmlSystemGetNVMLVersion(buf, 80) == SUCCESS and buf.value == text.encode()
+    assert lib.nvmlSystemGetNVMLVersion(buf, len(text)) == INSUFFICIENT_SIZE
+    assert lib.nvmlSystemGetNVMLVersion(ctypes.create_string_buffer(80), len(text) + 1) == SUCCESS
+    assert lib.nvmlSystemGetNVMLVersion(None, 80) == INVALID
+    assert lib.nvmlSystemGetDriverVersion(buf, 80) == UNINITIALIZED
+    version = ctypes.c_int(-1)
+    assert lib.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(version)) == UNINITIALIZED
+    assert lib.nvmlSystemGetCudaDriverVersion_v2(None) == UNINITIALIZED
+    table = ctypes.c_void_p()
+    assert lib.nvmlInternalGetExportTable(ctypes.byref(table), SMI_TABLE_UUID) == SUCCESS
+    assert table.value and ctypes.c_uint64.from_address(table.value).value == 8
+    assert lib.nvmlInternalGetExportTable(ctypes.byref(table), bytes(16)) == INVALID
+    assert lib.nvmlInternalGetExportTable(None, SMI_TABLE_UUID) == INVALID
+    assert lib.nvmlInit_v2() == SUCCESS
+    assert lib.nvmlSystemGetDriverVersion(buf, 80) == SUCCESS
+    assert buf.value == machine.version.encode()
+    assert lib.nvmlSystemGetDriverVersion(buf, len(machine.version)) == INSUFFICIENT_SIZE
+    assert lib.nvmlSystemGetCudaDriverVersion_v2(None) == INVALID
+    assert lib.nvmlShutdown() == SUCCESS
+
+    stub = libcuda(tmp_path / "stub", "int cuInit(unsigned flags) { return 0; }\n")
+    assert cuda_driver_version(machine, stub) == (FUNCTION_NOT_FOUND, -1)
+    cuda = libcuda(tmp_path / "cuda",
+                   "int cuDriverGetVersion(int *v) { *v = 12040; return 0; }\n")
+    assert cuda_driver_version(machine, cuda) == (SUCCESS, 12040)
+    failing = libcuda(tmp_path / "failing", "int cuDriverGetVersion(int *v) { return 3; }\n")
+    assert cuda_driver_version(machine, failing) == (UNKNOWN, -1)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:  # this host has no libcuda.so.1 of its own (a host with a GPU may)
+        assert cuda_driver_version(machine, None) == (LIBRARY_NOT_FOUND, -1)

@@ -379,10 +379,10 @@ def test_restart_with_pods_running_and_a_driver_upgrade(cri_node: Any) -> None:
 
         # The GPU Operator's toolkit and NVIDIA's DRA driver write their specs from the
         # live root when their pods start (issue 38): nvidia-ctk as they run it.
-        consumer_specs = [f"/var/run/cdi/{name}" for name in (
-            "management.nvidia.com-gpu.yaml", "k8s.gpu.nvidia.com-claim_d.yaml")]
-        for out, (vendor, klass) in zip(consumer_specs, (("management.nvidia.com", "gpu"),
-                                                         ("k8s.gpu.nvidia.com", "claim"))):
+        kinds = {"/var/run/cdi/management.nvidia.com-gpu.yaml": ("management.nvidia.com", "gpu"),
+                 "/var/run/cdi/k8s.gpu.nvidia.com-claim_d.yaml": ("k8s.gpu.nvidia.com", "claim")}
+        consumer_specs = list(kinds)
+        for out, (vendor, klass) in kinds.items():
             m.exec("nvidia-ctk", "cdi", "generate", "--mode=management",
                    f"--driver-root={DRIVER_ROOT}", "--dev-root=/", f"--vendor={vendor}",
                    f"--class={klass}", f"--output={out}")
