@@ -217,7 +217,7 @@ def _raw_entries(directory: Path) -> list[bytes]:
             hint="check the host's staging mount")
 
 
-def plain_target(result: Scan, path: Path, target: Path) -> bool:
+def plain_target(result: Scan, base: Path, relative: str, target: Path) -> bool:
     """Whether the file `path` resolves to has a plain name (SAFE_NAME), as `path` has: a
     file enters the root under its own name, never under its link's, and nvidia-ctk
     writes that name into every GPU pod's mounts and create-symlinks --link arguments
@@ -226,8 +226,8 @@ def plain_target(result: Scan, path: Path, target: Path) -> bool:
     the files it holds, so none is left dangling."""
     if SAFE_NAME.fullmatch(target.name):
         return True
-    result.ignored.append((str(path), f"links to {target.name!r}, not a plain file name: "
-                                      "the link and its file are left out"))
+    result.ignored.append((str(base / relative), f"links to {target.name!r}, not a plain "
+                           "file name: the link and its file are left out"))
     return False
 
 
@@ -257,7 +257,7 @@ def scan(machine: Machine, dirs: list[Path]) -> Scan:
                     log.debug(f"ignoring {base / relative}: dangling, looping or outside "
                               f"{directory}")
                     continue
-                if not plain_target(result, base / relative, target):
+                if not plain_target(result, base, relative, target):
                     continue
                 target_subdir = VDPAU if target.parent == base / VDPAU else ""
                 if target.name != name:
@@ -267,15 +267,15 @@ def scan(machine: Machine, dirs: list[Path]) -> Scan:
                     result.libraries.append(Staged(index, target, target_subdir))
         for name in HELPERS:
             target = resolve_inside_staging(root, base, name)
-            if target is not None and plain_target(result, base / name, target):
+            if target is not None and plain_target(result, base, name, target):
                 result.helpers.append(Staged(index, target, ""))
         for version in _entries(base / "nvidia"):
             for name in _entries(base / "nvidia" / version):
                 if name.startswith("gsp") and name.endswith(".bin"):
-                    path = base / "nvidia" / version / name
-                    target = resolve_inside_staging(root, base, f"nvidia/{version}/{name}")
+                    relative = f"nvidia/{version}/{name}"
+                    target = resolve_inside_staging(root, base, relative)
                     if (target is not None and SAFE_NAME.fullmatch(name)
-                            and plain_target(result, path, target)):
+                            and plain_target(result, base, relative, target)):
                         result.firmware.append((version, Staged(index, target, "")))
     return result
 

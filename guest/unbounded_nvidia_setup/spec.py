@@ -211,22 +211,23 @@ def hook_problem(args: list[Any]) -> tuple[str, str] | None:
     return None
 
 
-def _mount_problem(machine: Machine, mount: dict[str, Any], path: Path) -> str | None:
-    """Why a mount of our spec is not a plain path of the driver root (or a device node
-    of the dev root) at a plain container path, or None."""
+def _mount_problem(mount: dict[str, Any], path: str, root: str, dev: str) -> str | None:
+    """Why a mount of our spec is not a plain path of the driver root (`root`, with its
+    trailing slash) or a device node under `dev`, at a plain container path, or None.
+    Strings, not Paths: this runs for every mount of every run's spec."""
     raw, inside = str(mount.get("hostPath", "")), mount.get("containerPath")
     if why := path_problem(raw):
         return f"{raw!r}, which {why}"
     if isinstance(inside, str) and (why := path_problem(inside)):
         return f"{raw} at {inside!r}, which {why}"
-    if path.is_relative_to(machine.driver_root):
+    if path.startswith(root) or path == root[:-1]:
         return None
     try:
-        if path.is_relative_to(machine.at("/dev")) and stat.S_ISCHR(os.stat(path).st_mode):
+        if path.startswith(dev) and stat.S_ISCHR(os.stat(path).st_mode):
             return None
     except OSError:
         pass
-    return f"{raw}, which is outside {machine.driver_root}"
+    return f"{raw}, which is outside {root.rstrip('/')}"
 
 
 def _numbers(node: dict[str, Any]) -> tuple[int, int] | None:
@@ -255,6 +256,7 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
     driver_root = machine.driver_root
     staging = machine.at(machine.staging_parent)
     driver_files = set()
+    root_prefix, dev_prefix = f"{driver_root}/", f"{machine.at('/dev')}/"
     for mount in _entries(edits, "mounts"):
         raw = str(mount.get("hostPath", ""))
         path = host_path(machine, raw)
@@ -262,7 +264,8 @@ def spec_problems(doc: Any, machine: Machine, *, codes: dict[str, str], where: s
             problems.append(Problem(codes["staging-path"],
                                     f"{where} mounts {raw} from the staging mounts, which GPU "
                                     "pods cannot rely on", raw))
-        elif "unsafe-path" in codes and (why := _mount_problem(machine, mount, path)):
+        elif "unsafe-path" in codes and (why := _mount_problem(mount, str(path), root_prefix,
+                                                                 dev_prefix)):
             problems.append(Problem(codes["unsafe-path"], f"{where} mounts {why}", raw))
         elif not os.path.exists(path):
             problems.append(Problem(codes["missing-host-path"],
