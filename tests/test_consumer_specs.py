@@ -104,3 +104,20 @@ def test_a_spec_that_is_not_nvidias_is_not_read(tmp_path: Path) -> None:
     report = check(s)
     assert report["ok"] is True, report["problems"]
     assert str(other) not in {x["path"] for x in report["nvidia_specs"]["specs"]}  # type: ignore[index]
+
+
+def test_a_refresh_spec_of_our_kind_is_not_taken_for_ours(tmp_path: Path) -> None:
+    """/var/run/cdi/nvidia.yaml has our file name and kind, but it is nvidia-cdi-refresh's
+    (check names it spec-shadowed): status must not call it ours."""
+    s = swapper(tmp_path)
+    assert run_cli(s.m.root, "run").code == 0
+    shadow = s.m.root / "var/run/cdi/nvidia.yaml"
+    shadow.parent.mkdir(parents=True, exist_ok=True)
+    shadow.write_bytes((s.m.root / "etc/cdi/nvidia.yaml").read_bytes())
+    report = check(s)
+    found = {x["path"]: x["consumer"] for x in report["nvidia_specs"]["specs"]}  # type: ignore[index]
+    assert found == {str(s.m.root / "etc/cdi/nvidia.yaml"): "unbounded-nvidia-setup",
+                     str(shadow): "other"}, found
+    problems = report["problems"]
+    assert isinstance(problems, list)
+    assert "spec-shadowed" in {p["code"] for p in problems}

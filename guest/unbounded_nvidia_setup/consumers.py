@@ -89,9 +89,12 @@ class NvidiaSpec:
         return found
 
 
-def who(name: str, kind: str | None, machine: Machine) -> Consumer | None:
-    """The consumer a spec belongs to; None for a spec that is not NVIDIA's."""
-    if name == machine.cdi_spec.name and kind == OURS.kinds[0]:
+def who(path: Path, kind: str | None, machine: Machine) -> Consumer | None:
+    """The consumer a spec belongs to; None for a spec that is not NVIDIA's. Ours is ours
+    by its path alone: a /var/run/cdi/nvidia.yaml of the same kind is nvidia-cdi-refresh's
+    (`spec-shadowed`)."""
+    name = path.name
+    if path == machine.cdi_spec:
         return OURS
     if fnmatch.fnmatch(name, DEVICE_PLUGIN.files[0]):
         return DEVICE_PLUGIN
@@ -140,7 +143,7 @@ def read(machine: Machine) -> list[NvidiaSpec]:
         doc, why = load_spec(path)
         kind = doc.get("kind") if isinstance(doc, dict) else None
         kind = kind if isinstance(kind, str) else None
-        consumer = who(path.name, kind, machine)
+        consumer = who(path, kind, machine)
         if consumer is None:
             continue
         spec = NvidiaSpec(path, consumer, kind, error=why)
