@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import Machine
 from .problems import Problem
-from .spec import host_path
+from .spec import host_path, mount_paths
 from .spec import load as load_spec
 
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
@@ -44,8 +44,9 @@ class Consumer:
     step: str  # what rewrites the spec
 
 
-OURS = Consumer("unbounded-nvidia-setup", "unbounded-nvidia-setup", ("nvidia.com/gpu",),
-                ("nvidia.yaml",), "`systemctl reload unbounded-nvidia-setup`")
+# Ours by its path alone (who()), and checked by state.py, not here.
+OURS = Consumer("unbounded-nvidia-setup", "unbounded-nvidia-setup", (), (),
+                "`systemctl reload unbounded-nvidia-setup`")
 DEVICE_PLUGIN = Consumer(
     "NVIDIA's device plugin", "device-plugin", (), ("k8s.device-plugin.nvidia.com-*",),
     "restart the device plugin's pod on this node")
@@ -127,20 +128,14 @@ def _spec_files(machine: Machine) -> list[Path]:
     return found
 
 
-def _mounts(doc: dict[str, Any]) -> list[str]:
-    edits = [doc.get("containerEdits")] + [d.get("containerEdits") for d in
-                                           doc.get("devices") or [] if isinstance(d, dict)]
-    return [str(m.get("hostPath")) for e in edits if isinstance(e, dict)
-            for m in e.get("mounts") or [] if isinstance(m, dict) and m.get("hostPath")]
-
-
-def read(machine: Machine) -> list[NvidiaSpec]:
+def read(machine: Machine, loaded: dict[Path, tuple[Any, str | None]]) -> list[NvidiaSpec]:
     """Every NVIDIA spec in /etc/cdi and /var/run/cdi, with the driver versions it names
-    and the files of the driver root it mounts that the root no longer has."""
+    and the files of the driver root it mounts that the root no longer has. `loaded`:
+    specs `check` has read already (ours, the device plugin's), not read again."""
     root = f"{machine.driver_root}/"
     specs: list[NvidiaSpec] = []
     for path in _spec_files(machine):
-        doc, why = load_spec(path)
+        doc, why = loaded[path] if path in loaded else load_spec(path)
         kind = doc.get("kind") if isinstance(doc, dict) else None
         kind = kind if isinstance(kind, str) else None
         consumer = who(path, kind, machine)
@@ -148,7 +143,7 @@ def read(machine: Machine) -> list[NvidiaSpec]:
             continue
         spec = NvidiaSpec(path, consumer, kind, error=why)
         if isinstance(doc, dict):
-            mounts = _mounts(doc)
+            mounts = [m for m in mount_paths(doc) if m]
             spec.versions = sorted({v for m in mounts for v in _VERSIONED.findall(
                 os.path.basename(m))})
             seen = [(m, str(host_path(machine, m))) for m in mounts]

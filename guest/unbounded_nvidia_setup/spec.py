@@ -70,10 +70,13 @@ def _entries(edits: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [m for e in edits for m in (e.get(key) or []) if isinstance(m, dict)]
 
 
+def mount_paths(doc: Any) -> list[str]:
+    """The hostPath of every mount of a spec, common and per device."""
+    return [str(m.get("hostPath", "")) for m in _entries(_edits(doc), "mounts")]
+
+
 def mounted_names(doc: Any) -> set[str]:
-    if not isinstance(doc, dict):
-        return set()
-    return {os.path.basename(str(m.get("hostPath", ""))) for m in _entries(_edits(doc), "mounts")}
+    return {os.path.basename(path) for path in mount_paths(doc)}
 
 
 def device_names(doc: Any) -> list[str]:

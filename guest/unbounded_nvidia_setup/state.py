@@ -31,7 +31,9 @@ UNIT = "unbounded-nvidia-setup.service"
 # installed spec on every node, `plugin-spec-unusable-gpu`, and the device plugin spec
 # section's `written_at` and `gpus` (issue 35); 4: `pending`, the code `setup-pending`,
 # the unit section's `n_restarts`, `result` and `status_text`, the verdict `image` with
-# its section and the codes `image-unit-missing` and `image-unit-disabled` (issue 36).
+# its section and the codes `image-unit-missing` and `image-unit-disabled` (issue 36); 5:
+# the codes `spec-unsafe-path` (issue 37) and `consumer-spec-stale`, the section
+# `nvidia_specs` (issue 38).
 SCHEMA_MINOR = 5
 READY, NO_GPU, NOT_READY_YET, BROKEN = "ready", "no-gpu", "not-ready-yet", "broken"
 DEGRADED, NO_USABLE_GPU, IMAGE = "degraded", "no-usable-gpu", "image"
@@ -219,8 +221,13 @@ def _plan_staging(machine: Machine, report: Report, *, missing_ok: bool = False)
     return staged
 
 
+# A spec as it was read (document, or why not), by path: what `check` read once for its
+# own checks, the survey of every NVIDIA spec (consumers.py) does not read again.
+Loaded = dict[Path, tuple[Any, str | None]]
+
+
 def _check_spec(machine: Machine, report: Report, version: str | None,
-                found: gpus.NodeGpus) -> None:
+                found: gpus.NodeGpus, loaded: Loaded) -> None:
     path = machine.cdi_spec
     section: dict[str, Any] = {"path": str(path), "present": path.exists()}
     report.sections["cdi_spec"] = section
@@ -229,7 +236,7 @@ def _check_spec(machine: Machine, report: Report, version: str | None,
             report.problems.append(Problem("spec-missing", f"{path} does not exist", str(path)))
         _check_gpus(machine, report, None, found)
         return
-    doc, why = load_spec(path)
+    doc, why = loaded[path] = load_spec(path)
     if why:
         report.problems.append(Problem("spec-invalid", f"{path}: {why}", str(path)))
         return
@@ -274,7 +281,8 @@ def _check_last_run(machine: Machine, report: Report) -> None:
         str(machine.last_run)))
 
 
-def _check_plugin_spec(machine: Machine, report: Report, version: str | None) -> None:
+def _check_plugin_spec(machine: Machine, report: Report, version: str | None,
+                       loaded: Loaded) -> None:
     """The device plugin's own spec, as it wrote it and when: what it lists is what pods
     get through it. A GPU it lists that the last run found unusable is a problem of its
     own (gpus.plugin_problems): the plugin started before, and only an Xid tells it."""
@@ -285,7 +293,7 @@ def _check_plugin_spec(machine: Machine, report: Report, version: str | None) ->
         return
     section: dict[str, Any] = {"path": str(path), "present": True, "written_at": written}
     report.sections["device_plugin_spec"] = section
-    doc, why = load_spec(path)
+    doc, why = loaded[path] = load_spec(path)
     if why:
         report.problems.append(Problem("plugin-spec-invalid", f"{path}: {why}", str(path)))
         return
@@ -362,22 +370,23 @@ def collect(machine: Machine, want: Manifest | None = None,
     if want is None:
         _check_last_run(machine, report)
         found = report.last_run.gpus if report.last_run is not None else None
-    _check_spec(machine, report, version, found or gpus.NodeGpus())
+    loaded: Loaded = {}
+    _check_spec(machine, report, version, found or gpus.NodeGpus(), loaded)
     if want is None:
-        _check_plugin_spec(machine, report, version)
+        _check_plugin_spec(machine, report, version, loaded)
         # Not in a run's end-state proof: pods that predate the run keep the generation it
         # replaced until their owners restart them, as the device plugin's spec is
         # rewritten after kubelet starts. The run never kills pods; check names them.
         _check_holders(machine, report)
-        _check_consumer_specs(machine, report)
+        _check_consumer_specs(machine, report, loaded)
     return report
 
 
-def _check_consumer_specs(machine: Machine, report: Report) -> None:
+def _check_consumer_specs(machine: Machine, report: Report, loaded: Loaded) -> None:
     """Every NVIDIA spec on the node, for `check` and `status` only (consumers.py)."""
     from . import consumers
 
-    specs = consumers.read(machine)
+    specs = consumers.read(machine, loaded)
     report.sections["nvidia_specs"] = {
         "directories": [str(machine.at(d)) for d in consumers.SPEC_DIRS],
         "specs": [s.to_json(report.driver_version) for s in specs]}
