@@ -123,8 +123,8 @@ def stale_holders(machine: Machine) -> list[Holder]:
         except OSError:
             continue  # gone
         if namespace not in stale_in:
-            text = _read(f"{base}/mountinfo") if text is None else text
-            text = text or ""
+            if text is None:
+                text = _read(f"{base}/mountinfo") or ""
             # Most namespaces mount no generation at all: one substring search says so,
             # and only the rest are parsed (a node's table has hundreds of lines).
             stale_in[namespace] = [] if f" {prefix}" not in text else [
