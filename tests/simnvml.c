@@ -162,7 +162,8 @@
  * (tests/test_consumers.py), each answered as Debian's 535.309.01 and 550.163.01 answer
  * it here (ctypes, no GPU) and no looser than nvml.h allows:
  *   nvmlInitWithFlags(0)         as nvmlInit_v2 (flags are not read): 9 without the
- *                                machine's driver; nvmlShutdown as above
+ *                                machine's driver; nvmlShutdown 1 (Uninitialized) when
+ *                                nothing is initialized, as nvml.h says
  *   nvmlSystemGetNVMLVersion     "<CUDA major>.<driver version>" ("12.550.163.01"), the
  *                                CUDA major of the driver's branch (below 450: 10; below
  *                                525: 11; below 580: 12; else 13); before init too, as the
@@ -702,8 +703,11 @@ NVML_API int nvmlInitWithFlags(unsigned int flags)
 
 NVML_API int nvmlShutdown(void)
 {
-    if (refcount > 0)
-        refcount--;
+    /* nvml.h: NVML_ERROR_UNINITIALIZED if the library has not been successfully
+     * initialized (the real one answers 0 here; the header's reading is the stricter). */
+    if (refcount == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    refcount--;
     return NVML_SUCCESS;
 }
 

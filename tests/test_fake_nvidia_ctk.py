@@ -740,7 +740,9 @@ def test_simulated_nvml_answers_like_a_machine_without_a_driver(tmp_path: Path) 
     count = ctypes.c_uint()
     assert lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 1  # uninitialized
     assert lib.nvmlSystemGetDriverVersion(ctypes.create_string_buffer(80), 80) == 1
-    assert lib.nvmlShutdown() == 0
+    # Debian's 535 answers 0 here; nvml.h says Uninitialized, the stricter reading the
+    # simulated library takes (the product and nvidia-ctk ignore Shutdown's answer).
+    assert lib.nvmlShutdown() == 1
     stub = tmp_path / "stub" / "libnvidia-ml.so.1"
     elfbuild.compile_so(stub, elfbuild.NVML_SONAME, nvml=False)
     assert not hasattr(ctypes.CDLL(str(stub)), "nvmlInit")

@@ -391,6 +391,7 @@ def test_the_device_plugins_other_calls_answer(machine: simgpu.SimMachine) -> No
     assert lib.nvmlEventSetWait_v2(events, None, 0) == INVALID
     assert lib.nvmlEventSetFree(events) == SUCCESS
     assert lib.nvmlShutdown() == SUCCESS
+    assert lib.nvmlShutdown() == UNINITIALIZED  # nvml.h, at its strictest
     assert lib.nvmlEventSetCreate(ctypes.byref(ctypes.c_void_p())) == UNINITIALIZED
     assert lib.nvmlDeviceGetCudaComputeCapability(gpu, ctypes.byref(major),
                                                   ctypes.byref(minor)) == UNINITIALIZED
