@@ -218,6 +218,26 @@ def test_a_call_the_sandbox_refuses_ends_the_run_in_its_own_words(
     assert cli(m.root, "run").code == 0
 
 
+def test_a_metrics_lock_file_others_could_hold_is_not_used(m: simgpu.SimMachine,
+                                                           cli: Cli) -> None:
+    """The lock file is trusted only as root's, 0600: one another user owns (a directory
+    others may write), or one others may open, could be held by them for ever. Such a
+    file stops the metrics with one warning naming it, never the run."""
+    directory = m.root / "var/lib/prometheus/node-exporter"
+    directory.mkdir(parents=True)
+    lock = directory / ".unbounded_nvidia_setup.prom.lock"
+    for owner, mode in ((65534, 0o600), (0, 0o644)):
+        lock.touch()
+        os.chown(lock, owner, owner)
+        lock.chmod(mode)
+        out = cli(m.root, "run")
+        warned = [line for line in out.stderr.splitlines() if "metrics not written" in line]
+        assert out.code == 0 and len(warned) == 1, out.stderr
+        assert str(lock) in warned[0] and "remove it" in warned[0], warned
+        assert not (directory / "unbounded_nvidia_setup.prom").exists()
+        lock.unlink()
+
+
 def test_code_planted_in_the_working_directory_is_not_run(tmp_path: Path) -> None:
     """The NVML child (a degraded node's run starts it) was `python3 -m
     unbounded_nvidia_setup.nvml` without -I: a package of that name in the directory an
